@@ -1,0 +1,213 @@
+"""config.py: the one config tree of a run, and how YAML files and `key.sub=value` overrides fill it.
+
+Every knob of a run is a field of the dataclass tree below, with a comment saying what it does. A YAML
+file in configs/ holds only what differs from these defaults; the command line can override any leaf:
+
+    python train.py --config configs/toy_math.yaml rollout.temperature=0.8 learner.lr=3e-5
+
+Values are type-checked against the field's type; an unknown key is an error that names the closest
+valid key (a typo must never silently train with the default). The resolved config is saved with the run.
+"""
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from agent import AgentConfig
+from learner import LearnerConfig
+
+
+@dataclass
+class ModelConfig:
+    path: str = "default"            # a Hugging Face folder (config.json, tokenizer.json, *.safetensors), or
+                                     # "default": the embedded tiny model, built on first use and cached
+    dtype: str = "float32"           # parameter dtype of the learner and the torch engine (float32|bfloat16)
+    cache_dir: str = ".cache"        # where the embedded default model is built and cached
+
+
+@dataclass
+class EnvSpec:
+    name: str = "toy_math"           # an env registered in env.py (env.make_env)
+    weight: float = 1.0              # share of each training batch's prompts drawn from this env
+    eval_size: int = 256             # held-out tasks evaluated for this env (its own eval/<name>/... metrics)
+    kwargs: dict = field(default_factory=dict)  # passed to env.make_env(name, **kwargs) (difficulty knobs)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"            # inference engine; "torch" (rollout.TorchEngine)
+    prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
+    temperature: float = 1.0         # sampling temperature (the learner scores at the same temperature)
+    top_p: float = 1.0               # nucleus sampling mass
+    max_tokens: int = 96             # new tokens per assistant turn at most
+    max_batch_size: int = 256        # sequences the engine decodes at once
+    agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"               # advantage estimator: grpo|drgrpo|rloo (see algos.group_advantages)
+    skip_uniform_batches: bool = True  # no update when no group has mixed rewards (all advantages are 0)
+
+
+@dataclass
+class SFTConfig:
+    """The warm start of the embedded default model (only used when model.path == "default")."""
+    max_steps: int = 600             # SFT optimizer steps at most
+    batch_size: int = 64             # demonstrations per step
+    lr: float = 1e-3                 # AdamW learning rate (constant after a short warmup)
+    tool_use_prob: float = 0.5       # share of demonstrations that call python_eval before finish; the
+                                     # rest answer directly, a habit RL has to unlearn on hard problems
+    eval_every: int = 50             # check held-out accuracy this often ...
+    eval_size: int = 64              # ... on this many held-out tasks, sampled at rollout.temperature
+    target_accuracy: float = 0.25    # stop once sampled held-out accuracy reaches this (a minority solved)
+    num_demos: int = 20000           # distinct training demonstrations
+    vocab_size: int = 512            # byte-level BPE vocabulary, special tokens included
+    hidden_size: int = 128           # tiny Qwen2 architecture ...
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    seed: int = 0                    # seed of the tokenizer corpus, the init and the SFT data
+
+
+@dataclass
+class Config:
+    seed: int = 0                    # seeds task sampling, the engine and the learner (all derived per step)
+    run_name: str = "toy_math"       # the run folder is out_dir/run_name
+    out_dir: str = "runs"            # where run folders go
+    steps: int = 40                  # RL steps
+    eval_every: int = 10             # held-out eval every k steps (and always at step 0 and at the end)
+    eval_temperature: float = 0.0    # sampling temperature of held-out evals (0: greedy)
+    eval_seed: int = 1234            # picks the held-out tasks, the same for every run seed so runs compare
+    checkpoint_every: int = 0        # save a checkpoint every k steps (0: only at the end)
+    resume: str = ""                 # a checkpoint folder to resume from (exact: weights, optimizer, RNG, step)
+    wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
+    wandb_project: str = "nano-skyrl"
+    threads: int = 0                 # torch CPU threads (0: torch's default)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])  # training mix and held-out sets
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+# -----------------------------------------------------------------------------
+# filling the tree: dict -> dataclass, with type checks and helpful errors
+
+def _check(value, tp, key: str):
+    """Coerce a YAML value to the field's type, or raise naming the key."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"config key '{key}' must be a mapping, got {value!r}")
+        return from_dict(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check(value, a, key)
+            except (TypeError, ValueError):
+                pass
+        raise TypeError(f"config key '{key}' expects {tp}, got {value!r}")
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (typing.Any,)
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"config key '{key}' must be a list, got {value!r}")
+        return [_check(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"config key '{key}' must be a list, got {value!r}")
+        return tuple(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"config key '{key}' must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, str):
+        try:                                     # YAML reads '3e-5' (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise TypeError(f"config key '{key}' expects float, got {value!r}") from None
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise TypeError(f"config key '{key}' expects {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls, d: dict, prefix: str = ""):
+    """Build dataclass `cls` from a (partial) dict; unknown keys raise with the closest valid key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in d.items():
+        if k not in names:
+            close = difflib.get_close_matches(k, names, n=1, cutoff=0.0)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise KeyError(f"unknown config key '{prefix}{k}'{hint}")
+        kwargs[k] = _check(v, hints[k], prefix + k)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML: 3e-5, true, [1, 2])."""
+    d = to_dict(Config())
+    if path:
+        with open(path) as f:
+            _merge(d, yaml.safe_load(f) or {}, "")
+    for o in overrides:
+        if "=" not in o:
+            raise ValueError(f"override '{o}' must look like key.sub=value")
+        k, v = o.split("=", 1)
+        patch: dict = {}
+        _set_path(patch, k.strip(), yaml.safe_load(v))
+        _merge(d, patch, "")
+    return from_dict(Config, d)
+
+
+def _set_path(d: dict, dotted: str, value):
+    *parents, last = dotted.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[last] = value
+
+
+def _merge(base: dict, patch: dict, prefix: str):
+    """Recursive merge that refuses keys the defaults do not have (so typos fail here, with a hint)."""
+    for k, v in patch.items():
+        if isinstance(base, list):
+            base[int(k)] = _merge_value(base[int(k)], v, f"{prefix}{k}")
+            continue
+        if k not in base:
+            close = difflib.get_close_matches(str(k), list(base), n=1, cutoff=0.0)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise KeyError(f"unknown config key '{prefix}{k}'{hint}")
+        base[k] = _merge_value(base[k], v, f"{prefix}{k}")
+
+
+def _merge_value(old, new, key: str):
+    if isinstance(old, dict) and isinstance(new, dict) and not key.endswith("kwargs"):
+        _merge(old, new, key + ".")
+        return old
+    if isinstance(old, list) and isinstance(new, dict):   # 'envs.0.weight=2' patches one list entry
+        for i, v in new.items():
+            old[int(i)] = _merge_value(old[int(i)], v, f"{key}.{i}")
+        return old
+    if key == "envs" or key.endswith(".envs"):
+        return [_merge_value(to_dict(EnvSpec()), e, f"{key}.{i}") if isinstance(e, dict) else e
+                for i, e in enumerate(new)]
+    return new
