@@ -1,0 +1,372 @@
+"""algos.py: the RL math of Nano-SkyRL (advantages, policy losses, KL, entropy, value loss), as pure functions.
+
+This is the file to copy into another project or to read next to the papers. It imports only torch,
+holds no state and never mutates its inputs: tensors go in, new tensors (and for losses a metrics
+dict) come out. Each function's docstring gives its equation and the paper it comes from.
+
+Shapes (one letter per dimension):
+    B  sequences in the batch (rows), B = num_groups * G for group methods; rows are group-major,
+       i.e. rows [g*G, (g+1)*G) are the G samples of prompt g
+    T  tokens per row (the padded response length)
+    G  group size (samples per prompt)
+    V  vocabulary size
+
+How to read it. `mask` is (B, T) with 1 on tokens the policy sampled and 0 on padding, prompt and
+tool-output tokens. Masked positions may hold garbage (even inf / nan), so they are removed with
+torch.where (0 * nan is nan, a multiply would leak it). Advantages are per token, (B, T): a
+sequence-level advantage (GRPO, RLOO, ...) is broadcast over the row's tokens by the caller.
+Sections, top to bottom: advantages -> policy losses -> aggregation -> KL / entropy / value ->
+DAPO's batch-level extras. Code inside a `# --- algorithm ---` fence is the equation; the rest is
+plumbing (checks, metrics).
+
+Papers:
+    PPO                     Schulman et al. 2017, arXiv:1707.06347
+    GAE                     Schulman et al. 2015, arXiv:1506.02438
+    dual-clip PPO           Ye et al. 2019, arXiv:1912.09729
+    GRPO (DeepSeekMath)     Shao et al. 2024, arXiv:2402.03300
+    RLOO                    Ahmadian et al. 2024, arXiv:2402.14740
+    Dr. GRPO                Liu et al. 2025, arXiv:2503.20783
+    DAPO                    Yu et al. 2025, arXiv:2503.14476
+    GSPO                    Zheng et al. 2025, arXiv:2507.18071
+    SAPO                    Gao et al. (Qwen) 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347
+    k1 / k2 / k3 KL         J. Schulman, "Approximating KL Divergence" (blog, 2020)
+"""
+from dataclasses import dataclass
+
+import torch
+
+GROUP_ADVANTAGE_KINDS = ("grpo", "drgrpo", "rloo")
+POLICY_LOSS_KINDS = ("ppo", "dual_clip", "dapo", "gspo", "gspo_token", "sapo")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def _check(name: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+@torch.no_grad()
+def compute_gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalized Advantage Estimation, per token, run backwards over valid tokens only (arXiv:1506.02438).
+
+        delta_t = r_t + gamma * V_{t'} - V_t        t' = next valid token after t (V = 0 past the last one)
+        A_t     = delta_t + gamma * lam * A_{t'}
+        R_t     = A_t + V_t                          (the value target)
+
+    A position with mask 0 (tool output, padding) is skipped: its reward and value are ignored and
+    V_{t'}, A_{t'} carry through it unchanged, so a tool response neither discounts nor bootstraps.
+    rewards, values, mask: (B, T). Returns (advantages, returns), both (B, T), 0 at masked positions.
+    """
+    valid = mask.bool()
+    B, T = rewards.shape
+    next_value = rewards.new_zeros(B)  # (B,) V of the next valid token
+    next_adv = rewards.new_zeros(B)    # (B,) A of the next valid token
+    advantages = torch.zeros_like(rewards)                              # (B, T) filled right to left
+    # --- algorithm ---
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]        # (B,)
+        adv = delta + gamma * lam * next_adv                            # (B,)
+        advantages[:, t] = torch.where(valid[:, t], adv, 0.0)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+    returns = torch.where(valid, advantages + values, 0.0)              # (B, T)
+    # --- end algorithm ---
+    return advantages, returns
+
+
+def whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / sqrt(var + eps), mean and unbiased variance over valid tokens only; 0 at masked positions.
+
+    Used on GAE advantages (PPO). x, mask: (B, T) -> (B, T).
+    """
+    valid = mask.bool()
+    n = valid.sum()
+    if n < 2:
+        raise ValueError(f"whiten needs at least 2 valid tokens for an unbiased variance, got {int(n)}")
+    xv = torch.where(valid, x, 0.0)                                     # (B, T) garbage removed
+    mean = xv.sum() / n
+    var = torch.where(valid, (xv - mean) ** 2, 0.0).sum() / (n - 1)     # unbiased (Bessel)
+    return torch.where(valid, (xv - mean) * torch.rsqrt(var + eps), 0.0)
+
+
+def group_advantages(rewards, group_size: int, kind: str):
+    """Critic-free advantages from G samples of the same prompt. rewards (B,) -> (B,), rows group-major.
+
+        grpo    A_i = (R_i - mean_g R) / (std_g R + 1e-6)   unbiased std   (GRPO, arXiv:2402.03300)
+        drgrpo  A_i =  R_i - mean_g R                        no std division (Dr. GRPO, arXiv:2503.20783)
+        rloo    A_i =  R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean_g R)    (RLOO, arXiv:2402.14740)
+
+    A group whose rewards are all equal carries no signal and gets exactly 0 (never NaN or a
+    rounding residue such as 1e-17).
+    """
+    _check("advantage kind", kind, GROUP_ADVANTAGE_KINDS)
+    B, G = rewards.shape[0], group_size
+    if G < 1 or B % G != 0:
+        raise ValueError(f"batch of {B} rewards is not a whole number of groups of size {G}")
+    if G < 2 and kind != "drgrpo":
+        raise ValueError(f"{kind} needs group_size >= 2 (a std / a leave-one-out mean), got {G}")
+    r = rewards.reshape(-1, G)                                          # (B/G, G)
+    r = r if r.is_floating_point() else r.float()
+    # --- algorithm ---
+    mean = r.mean(dim=1, keepdim=True)                                  # (B/G, 1)
+    if kind == "grpo":
+        adv = (r - mean) / (r.std(dim=1, keepdim=True) + 1e-6)
+    elif kind == "drgrpo":
+        adv = r - mean
+    else:  # rloo: R_i - (sum_g R - R_i) / (G - 1)
+        adv = r - (r.sum(dim=1, keepdim=True) - r) / (G - 1)
+    # --- end algorithm ---
+    all_equal = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))   # (B/G, 1)
+    return torch.where(all_equal, 0.0, adv).view(B)
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+@dataclass
+class PolicyLossConfig:
+    """Hyperparameters of every policy loss; each kind reads only its own fields (see policy_loss)."""
+    clip_low: float = 0.2          # PPO eps_low: ratio floor 1 - clip_low (ppo, dual_clip, dapo)
+    clip_high: float = 0.2         # PPO eps_high: ratio ceiling 1 + clip_high (ppo, dual_clip)
+    dual_clip_c: float = 3.0       # dual-clip cap c: loss of a negative-advantage token is at most -c * A
+    dapo_clip_high: float = 0.28   # DAPO clip-higher ceiling 1 + 0.28 (its floor is still clip_low)
+    gspo_clip_low: float = 3e-4    # GSPO sequence-ratio floor 1 - 3e-4 (the paper's value)
+    gspo_clip_high: float = 4e-4   # GSPO sequence-ratio ceiling 1 + 4e-4
+    sapo_tau_pos: float = 1.0      # SAPO gate temperature for tokens with A > 0
+    sapo_tau_neg: float = 1.05     # SAPO gate temperature for tokens with A < 0 (sharper: negatives are riskier)
+    log_ratio_clamp: float = 20.0  # log(pi/pi_old) is clamped to [-c, c] before exp, so the ratio never overflows
+    agg_mode: str = "token-mean"   # how token losses become one scalar, see aggregate()
+    agg_norm: float | None = None  # constant normalizer for agg_mode="seq-mean-token-sum-norm" (e.g. max tokens)
+
+
+def _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_c=None):
+    """PPO's clipped surrogate per token. Returns (loss, clipped_low, clipped_high), all (B, T).
+
+        L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))                 (PPO, arXiv:1707.06347)
+        if A < 0 and dual_c: L = min(L, -A c)                                 (dual-clip, arXiv:1912.09729)
+
+    clipped_* flag tokens whose gradient the clip zeroes: r > 1 + eps_high with A > 0 (or r > c
+    with A < 0 under dual-clip) is "high"; r < 1 - eps_low with A < 0 is "low".
+    """
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))   # (B, T)
+    clipped_low = (adv < 0) & (ratio < 1 - eps_low)
+    clipped_high = (adv > 0) & (ratio > 1 + eps_high)
+    if dual_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_c), loss)
+        clipped_high = clipped_high | ((adv < 0) & (ratio > dual_c))
+    return loss, clipped_low, clipped_high
+
+
+def _seq_log_ratio(log_ratio, valid):
+    """GSPO's length-normalized sequence log-ratio: (1/|y_i|) sum_t log(pi/pi_old). (B, T) -> (B, 1)."""
+    n = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    return log_ratio.sum(dim=1, keepdim=True) / n   # log_ratio is already 0 at masked positions
+
+
+def _ppo(log_ratio, adv, valid, cfg):
+    ratio = log_ratio.exp()
+    return (ratio, *_clipped_surrogate(ratio, adv, cfg.clip_low, cfg.clip_high))
+
+
+def _dual_clip(log_ratio, adv, valid, cfg):
+    ratio = log_ratio.exp()
+    return (ratio, *_clipped_surrogate(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c))
+
+
+def _dapo(log_ratio, adv, valid, cfg):
+    # DAPO's "clip-higher": a wider ceiling lets low-probability tokens grow, fighting entropy collapse.
+    ratio = log_ratio.exp()
+    return (ratio, *_clipped_surrogate(ratio, adv, cfg.clip_low, cfg.dapo_clip_high))
+
+
+def _gspo(log_ratio, adv, valid, cfg):
+    # s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), one ratio per sequence, clipped as a whole.
+    ratio = _seq_log_ratio(log_ratio, valid).exp().expand_as(log_ratio)          # (B, T)
+    return (ratio, *_clipped_surrogate(ratio, adv, cfg.gspo_clip_low, cfg.gspo_clip_high))
+
+
+def _gspo_token(log_ratio, adv, valid, cfg):
+    # s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]: the value of s_i, but the gradient of a token ratio,
+    # so a per-token advantage A_{i,t} weights its own token (the GSPO paper's GSPO-token).
+    seq = _seq_log_ratio(log_ratio, valid).detach()                             # (B, 1)
+    ratio = (log_ratio - log_ratio.detach() + seq).exp()                        # (B, T)
+    return (ratio, *_clipped_surrogate(ratio, adv, cfg.gspo_clip_low, cfg.gspo_clip_high))
+
+
+def _sapo(log_ratio, adv, valid, cfg):
+    # f(r) = sigmoid(tau (r - 1)) * 4 / tau has slope 1 at r = 1, like the plain surrogate r * A
+    # (gradient weight 1 on-policy), then its slope decays smoothly instead of cutting to 0 like a
+    # clip. No hard clip, so no token counts as clipped.
+    ratio = log_ratio.exp()
+    tau = torch.full_like(adv, cfg.sapo_tau_neg).masked_fill(adv > 0, cfg.sapo_tau_pos)   # (B, T)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau                            # (B, T)
+    no_clip = torch.zeros_like(valid)
+    return ratio, -gate * adv, no_clip, no_clip
+
+
+# kind -> fn(log_ratio (B, T), adv (B, T), valid (B, T), cfg) -> (ratio, token_loss, clipped_low, clipped_high), all (B, T);
+# log_ratio and adv arrive already clamped and zeroed at masked positions.
+POLICY_LOSSES = {"ppo": _ppo, "dual_clip": _dual_clip, "dapo": _dapo,
+                 "gspo": _gspo, "gspo_token": _gspo_token, "sapo": _sapo}
+
+
+def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConfig):
+    """Policy-gradient loss of `kind`, aggregated by aggregate(., mask, cfg.agg_mode, cfg.agg_norm).
+
+    With r_t = exp(clamp(logp_t - old_logp_t)) and A_t = advantages (all (B, T)):
+        ppo         max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))                   arXiv:1707.06347
+        dual_clip   ppo, then min(., -c A) where A < 0 (c = dual_clip_c)                 arXiv:1912.09729
+        dapo        ppo with ceiling 1 + dapo_clip_high ("clip-higher")                  arXiv:2503.14476
+        gspo        ppo on s_i = exp(mean_t log r_t), band gspo_clip_low/high            arXiv:2507.18071
+        gspo_token  gspo with s_{i,t} = sg[s_i] r_t / sg[r_t] (equal value, token-wise gradient)
+        sapo        -f(r) A,  f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg
+                                                                                          arXiv:2511.20347
+    GRPO is "ppo" with group advantages; the GSPO paper's averaging is agg_mode="seq-mean-token-mean".
+    Returns (loss: 0-dim tensor with grad, metrics: dict of detached 0-dim tensors):
+        clip_frac_low / clip_frac_high  share of tokens whose gradient a clip zeroed (below / above the band)
+        approx_kl                       k3 estimate of KL(pi_old || pi): (r - 1) - log r
+        ratio_mean / ratio_min / ratio_max
+    Metrics average over valid tokens, or for gspo / gspo_token over sequences with any valid token.
+    """
+    _check("policy loss", kind, POLICY_LOSS_KINDS)
+    valid = mask.bool()
+    c = cfg.log_ratio_clamp
+    log_ratio = torch.where(valid, (logp - old_logp).clamp(-c, c), 0.0)        # (B, T)
+    adv = torch.where(valid, advantages, 0.0)                                   # (B, T)
+    ratio, token_loss, clipped_low, clipped_high = POLICY_LOSSES[kind](log_ratio, adv, valid, cfg)
+    token_loss = torch.where(valid, token_loss, 0.0)                            # (B, T)
+    loss = aggregate(token_loss, valid, cfg.agg_mode, cfg.agg_norm)
+
+    with torch.no_grad():
+        def mean(x):
+            return _metric_mean(x.to(log_ratio.dtype), valid, per_seq=kind.startswith("gspo"))
+        any_valid = valid.any()
+        metrics = {
+            "clip_frac_low": mean(clipped_low),
+            "clip_frac_high": mean(clipped_high),
+            "approx_kl": mean(log_ratio.exp() - 1 - log_ratio),
+            "ratio_mean": mean(ratio),
+            "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), 0.0),
+            "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 0.0),
+        }
+    return loss, metrics
+
+
+def _metric_mean(x, valid, per_seq: bool):
+    """Mean of x over valid tokens, or (per_seq) the mean over non-empty rows of each row's token mean."""
+    x = torch.where(valid, x, 0.0)
+    if not per_seq:
+        return x.sum() / valid.sum().clamp(min=1)
+    n = valid.sum(dim=1)                                                        # (B,)
+    row = x.sum(dim=1) / n.clamp(min=1)                                         # (B,)
+    return row.sum() / (n > 0).sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def aggregate(loss, mask, mode: str, norm: float | None = None):
+    """Reduce a (B, T) token loss to a scalar. Masked positions are ignored (garbage-safe).
+
+        token-mean               sum_{b,t} m L / max(sum m, 1)        every token weighs the same (DAPO)
+        seq-mean-token-sum       (1/B) sum_b sum_t m L
+        seq-mean-token-mean      (1/B) sum_b (sum_t m L / sum_t m)    every sequence weighs the same (GRPO)
+        seq-mean-token-sum-norm  sum_{b,t} m L / (B * norm)           constant normalizer, no length bias (Dr. GRPO)
+    Sequence modes divide by B, fully masked rows included (they contribute 0).
+    """
+    _check("aggregation mode", mode, AGG_MODES)
+    valid = mask.bool()
+    B = loss.shape[0]
+    masked = torch.where(valid, loss, 0.0)                                      # (B, T)
+    if mode == "token-mean":
+        return masked.sum() / valid.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return masked.sum(dim=1).sum() / B
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(dim=1) / valid.sum(dim=1).clamp(min=1)).sum() / B
+    if norm is None:
+        raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs a constant normalizer (agg_norm)")
+    return masked.sum() / (B * norm)
+
+
+# ----------------------------------------------------------------------------- KL, entropy, value
+
+def kl_penalty(logp, ref_logp, kind: str):
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman, "Approximating KL").
+
+    With log rho = ref_logp - logp (= log pi_ref/pi), elementwise, any shape:
+        k1 = -log rho = logp - ref_logp           unbiased, high variance, can be negative
+        k2 = 0.5 (log rho)^2                      biased, low variance, >= 0
+        k3 = rho - 1 - log rho                    unbiased, low variance, >= 0 ("low_var_kl" in verl;
+                                                  the GRPO paper's in-loss KL). log rho is clamped to
+                                                  [-20, 20] and k3 to [-10, 10], as in verl, for stability
+                                                  (which biases it only for extreme ratios).
+    Either add beta * kl to the loss or subtract beta * kl from the per-token reward (a config switch).
+    """
+    _check("KL kind", kind, KL_KINDS)
+    log_rho = ref_logp - logp
+    if kind == "k1":
+        return -log_rho
+    if kind == "k2":
+        return 0.5 * log_rho ** 2
+    log_rho = log_rho.clamp(-20, 20)
+    return (log_rho.exp() - 1 - log_rho).clamp(-10, 10)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) over the last dim, in float32: H = logsumexp(z) - sum_v softmax(z)_v z_v.
+
+    logits (..., V) -> (...). The logsumexp form never exponentiates a large logit; logits must be finite.
+    """
+    z = logits.float()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def value_loss(values, old_values, returns, mask, clip: float, agg_mode: str = "token-mean"):
+    """PPO's clipped value loss (arXiv:1707.06347; clipping as in OpenAI baselines). All inputs (B, T).
+
+        V_clip = V_old + clip(V - V_old, -clip, clip)
+        L      = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    Returns (loss aggregated with agg_mode, {"vf_clip_frac": share of valid tokens where the clipped term won}).
+    """
+    valid = mask.bool()
+    # zero the garbage first: backward of (v - R)^2 multiplies by (v - R), and 0 * nan is nan
+    values, old_values, returns = (torch.where(valid, x, 0.0) for x in (values, old_values, returns))
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)              # (B, T)
+    err = (values - returns) ** 2                                               # (B, T)
+    err_clip = (v_clip - returns) ** 2                                          # (B, T)
+    loss = aggregate(0.5 * torch.maximum(err, err_clip), valid, agg_mode)
+    with torch.no_grad():
+        frac = _metric_mean((err_clip > err).to(err.dtype), valid, per_seq=False)
+    return loss, {"vf_clip_frac": frac}
+
+
+# ----------------------------------------------------------------------------- DAPO batch-level extras
+
+def dynamic_sampling_mask(rewards, group_size: int):
+    """DAPO dynamic sampling (arXiv:2503.14476, sec. 3.2): keep groups whose rewards are not all equal.
+
+    A group with one reward value has zero group advantage everywhere, so it adds no gradient and
+    shrinks the effective batch; the training loop drops it and samples more prompts until the batch
+    is full again (or a retry budget runs out). rewards (B,) group-major -> bool (B,).
+    """
+    B, G = rewards.shape[0], group_size
+    if G < 1 or B % G != 0:
+        raise ValueError(f"batch of {B} rewards is not a whole number of groups of size {G}")
+    r = rewards.reshape(-1, G)                                                  # (B/G, G)
+    mixed = r.amax(dim=1) != r.amin(dim=1)                                      # (B/G,)
+    return mixed.repeat_interleave(G)                                           # (B,)
+
+
+def overlong_penalty(lengths, max_len: int, cache_len: int):
+    """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13), added to the reward. lengths (B,) -> (B,) float.
+
+        R = 0                                   |y| <= L_max - L_cache
+        R = ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max   (a ramp from 0 to -1)
+        R = -1                                  L_max < |y|
+    i.e. clamp(((L_max - L_cache) - |y|) / L_cache, -1, 0).
+    """
+    if cache_len <= 0 or cache_len > max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    return ((max_len - cache_len - lengths.float()) / cache_len).clamp(-1.0, 0.0)

@@ -1,0 +1,471 @@
+"""Tests for algos.py: hand-computed cases, finite-difference gradients, and identities between algorithms.
+
+Every expected number below is worked out by hand (or with `math` on scalars) in the comment next to
+it, never by calling the code under test. Masked positions hold nan / inf garbage wherever possible,
+so a leak through a multiply shows up as a nan.
+"""
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import algos
+from algos import (PolicyLossConfig, aggregate, compute_gae, dynamic_sampling_mask, entropy_from_logits,
+                   group_advantages, kl_penalty, overlong_penalty, policy_loss, value_loss, whiten)
+
+NAN, INF = float("nan"), float("inf")
+f64 = torch.float64
+
+
+def close(actual, expected, rtol=1e-6, atol=1e-9):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=f64), torch.as_tensor(expected, dtype=f64),
+                               rtol=rtol, atol=atol)
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+# ----------------------------------------------------------------------------- file hygiene
+
+def test_imports_only_torch():
+    tree = ast.parse(Path(algos.__file__).read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert roots <= {"torch", "dataclasses", "__future__"}, roots
+
+
+def test_inputs_are_not_mutated():
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 5
+    tensors = {k: torch.randn(B, T, generator=g, dtype=f64) for k in ("a", "b", "c", "d")}
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    tensors["a"][1, 4] = NAN
+    copies = {k: v.clone() for k, v in tensors.items()}
+    a, b, c, d = tensors.values()
+    compute_gae(a, b, mask, 0.9, 0.8)
+    whiten(a, mask)
+    for kind in algos.POLICY_LOSS_KINDS:
+        policy_loss(kind, a, b, c, mask, PolicyLossConfig())
+    value_loss(a, b, c, mask, 0.2)
+    aggregate(a, mask, "seq-mean-token-mean")
+    for kind in algos.KL_KINDS:
+        kl_penalty(a, b, kind)
+    rewards = d[:, 0].clone()
+    r_copy = rewards.clone()
+    for kind in algos.GROUP_ADVANTAGE_KINDS:
+        group_advantages(rewards, 2, kind)
+    dynamic_sampling_mask(rewards, 2)
+    for k in tensors:
+        torch.testing.assert_close(tensors[k], copies[k], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(rewards, r_copy) and torch.equal(mask[1], torch.tensor([1.0, 1, 1, 0, 0]))
+
+
+# ----------------------------------------------------------------------------- GAE and whitening
+
+def test_gae_hand_computed():
+    # gamma = 0.9, lam = 0.8, gamma * lam = 0.72, reward only at the end
+    # t=2: delta = 1 + 0 - 0.7 = 0.3;           A = 0.3
+    # t=1: delta = 0 + 0.9*0.7 - 0.6 = 0.03;    A = 0.03 + 0.72*0.3 = 0.246
+    # t=0: delta = 0 + 0.9*0.6 - 0.5 = 0.04;    A = 0.04 + 0.72*0.246 = 0.21712
+    rewards = torch.tensor([[0.0, 0.0, 1.0]], dtype=f64)
+    values = torch.tensor([[0.5, 0.6, 0.7]], dtype=f64)
+    adv, ret = compute_gae(rewards, values, torch.ones(1, 3), gamma=0.9, lam=0.8)
+    close(adv, [[0.21712, 0.246, 0.3]], rtol=1e-12)
+    close(ret, [[0.71712, 0.846, 1.0]], rtol=1e-12)
+
+    # The same trajectory with a tool response (masked, garbage) in the middle and padding at the end:
+    # masked tokens are skipped, so the valid outputs are unchanged and the masked outputs are 0.
+    rewards = torch.tensor([[0.0, NAN, INF, 0.0, 1.0, 7.0]], dtype=f64)
+    values = torch.tensor([[0.5, INF, NAN, 0.6, 0.7, -3.0]], dtype=f64)
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0]])
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    close(adv, [[0.21712, 0, 0, 0.246, 0.3, 0]], rtol=1e-12)
+    close(ret, [[0.71712, 0, 0, 0.846, 1.0, 0]], rtol=1e-12)
+
+
+def test_gae_monte_carlo_limit_and_compression():
+    # gamma = lam = 1: A_t = (sum of rewards from t on) - V_t.
+    rewards = torch.tensor([[1.0, 2.0, 3.0]], dtype=f64)
+    values = torch.tensor([[0.5, -1.0, 2.0]], dtype=f64)
+    adv, _ = compute_gae(rewards, values, torch.ones(1, 3), 1.0, 1.0)
+    close(adv, [[6 - 0.5, 5 + 1.0, 3 - 2.0]], rtol=1e-12)
+
+    # Random rows with holes equal the GAE of the rows with the holes squeezed out.
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 9
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[2] = False  # a fully masked row
+    r = torch.randn(B, T, generator=g, dtype=f64)
+    v = torch.randn(B, T, generator=g, dtype=f64)
+    r_garbage = torch.where(mask, r, NAN)
+    v_garbage = torch.where(mask, v, INF)
+    adv, ret = compute_gae(r_garbage, v_garbage, mask, 0.95, 0.9)
+    for b in range(B):
+        n = int(mask[b].sum())
+        a_b, ret_b = compute_gae(r[b, mask[b]][None], v[b, mask[b]][None], torch.ones(1, n), 0.95, 0.9)
+        close(adv[b, mask[b]], a_b[0], rtol=1e-12)
+        close(ret[b, mask[b]], ret_b[0], rtol=1e-12)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+
+
+def test_whiten():
+    x = torch.tensor([[1.0, 2.0, NAN], [3.0, INF, 0.0]], dtype=f64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # valid values 1, 2, 3: mean 2, unbiased variance (1 + 0 + 1) / 2 = 1
+    out = whiten(x, mask)
+    close(out, [[-1 / math.sqrt(1 + 1e-8), 0, 0], [1 / math.sqrt(1 + 1e-8), 0, 0]], rtol=1e-12)
+    with pytest.raises(ValueError):
+        whiten(x, torch.tensor([[1, 0, 0], [0, 0, 0]]))
+
+
+# ----------------------------------------------------------------------------- group advantages
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 0.3, 0.3], dtype=f64)
+    # group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = sqrt(1/3); group 1 all equal -> 0
+    s = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    close(group_advantages(rewards, 4, "grpo"), [s, -s, -s, s, 0, 0, 0, 0], rtol=1e-10)
+    close(group_advantages(rewards, 4, "drgrpo"), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0], rtol=1e-12)
+    # rloo: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
+    close(group_advantages(rewards, 4, "rloo"), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0], rtol=1e-12)
+    # uneven group: rloo is R_i minus the mean of the others
+    close(group_advantages(torch.tensor([3.0, 0.0, 0.0], dtype=f64), 3, "rloo"), [3.0, -1.5, -1.5], rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", algos.GROUP_ADVANTAGE_KINDS)
+def test_group_advantages_all_equal_is_exactly_zero(kind):
+    for value in (0.1, 0.0, 1.0, -7.3):
+        adv = group_advantages(torch.full((3,), value), 3, kind)  # float32 mean of 0.1s is not exactly 0.1
+        assert torch.equal(adv, torch.zeros(3)), (kind, value, adv)
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(5), 2, "grpo")
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(4), 1, "rloo")
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(4), 1, "grpo")
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(4), 2, "reinforce")
+
+
+# ----------------------------------------------------------------------------- policy losses, hand cases
+
+def run_loss(kind, ratios, adv, mask, cfg=PolicyLossConfig(), garbage=NAN):
+    """policy_loss on given ratios (old_logp = 0, logp = log r); masked entries are replaced by garbage."""
+    mask = torch.as_tensor(mask)
+    logp = torch.log(torch.as_tensor(ratios, dtype=f64))
+    logp = torch.where(mask.bool(), logp, garbage).requires_grad_()
+    old = torch.where(mask.bool(), torch.zeros_like(logp), -garbage)
+    adv = torch.where(mask.bool(), torch.as_tensor(adv, dtype=f64), garbage)
+    loss, metrics = policy_loss(kind, logp, old, adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss, metrics, grad
+
+
+def test_ppo_clips_both_sides_for_both_signs():
+    # r = 1.5, A=+1: clipped at 1.2 -> -1.2, no grad     r = 0.5, A=+1: not clipped -> -0.5, grad -r A = -0.5
+    # r = 0.5, A=-1: clipped at 0.8 -> 0.8, no grad      r = 1.5, A=-1: not clipped -> 1.5, grad -r A = 1.5
+    # token-mean over 4 valid tokens: (-1.2 - 0.5 + 0.8 + 1.5) / 4 = 0.15
+    loss, m, grad = run_loss("ppo", [[1.5, 0.5, 0.5, 1.5, 1.0]], [[1.0, 1.0, -1.0, -1.0, 0.0]], [[1, 1, 1, 1, 0]])
+    close(loss, 0.15, rtol=1e-12)
+    close(grad, [[0, -0.5 / 4, 0, 1.5 / 4, 0]], rtol=1e-12)
+    close(m["clip_frac_low"], 0.25)
+    close(m["clip_frac_high"], 0.25)
+    close(m["ratio_mean"], 1.0)
+    close(m["ratio_min"], 0.5)
+    close(m["ratio_max"], 1.5)
+    k3 = lambda r: r - 1 - math.log(r)
+    close(m["approx_kl"], (2 * k3(1.5) + 2 * k3(0.5)) / 4)
+    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+    assert set(m) == {"clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"}
+
+
+def test_dual_clip_caps_negative_advantages():
+    # r = 5, A=-1: PPO 5, dual-clip min(5, c=3) = 3 (no grad)   r = 2, A=-1: 2 < 3 untouched, grad 2
+    # r = 0.5, A=-1: 0.8 (clip low)                              r = 1.5, A=+1: -1.2 (clip high)
+    args = ([[5.0, 2.0, 0.5, 1.5]], [[-1.0, -1.0, -1.0, 1.0]], [[1, 1, 1, 1]])
+    loss_ppo, _, _ = run_loss("ppo", *args)
+    loss, m, grad = run_loss("dual_clip", *args)
+    close(loss_ppo, (5 + 2 + 0.8 - 1.2) / 4, rtol=1e-12)
+    close(loss, (3 + 2 + 0.8 - 1.2) / 4, rtol=1e-12)
+    close(grad, [[0, 2 / 4, 0, 0]], rtol=1e-12)
+    close(m["clip_frac_high"], 0.5)  # the cap and the ordinary high clip
+    close(m["clip_frac_low"], 0.25)
+
+
+def test_dapo_clip_higher():
+    # r = 1.25, A=+1: PPO clips at 1.2, DAPO (ceiling 1.28) does not; r = 1.3 is clipped by both;
+    # r = 0.75, A=-1: both clip at the same floor 0.8.
+    args = ([[1.25, 1.3, 0.75]], [[1.0, 1.0, -1.0]], [[1, 1, 1]])
+    loss_ppo, m_ppo, grad_ppo = run_loss("ppo", *args)
+    loss, m, grad = run_loss("dapo", *args)
+    close(loss_ppo, (-1.2 - 1.2 + 0.8) / 3, rtol=1e-12)
+    close(grad_ppo, [[0, 0, 0]])
+    close(loss, (-1.25 - 1.28 + 0.8) / 3, rtol=1e-12)
+    close(grad, [[-1.25 / 3, 0, 0]], rtol=1e-12)
+    close(m_ppo["clip_frac_high"], 2 / 3)
+    close(m["clip_frac_high"], 1 / 3)
+
+
+@pytest.mark.parametrize("kind", ["gspo", "gspo_token"])
+def test_gspo_sequences_inside_and_outside_the_band(kind):
+    # Band (1 - 3e-4, 1 + 4e-4). Token log-ratios per row, seq-mean-token-mean over B = 4 rows:
+    # row 0: [0, 6e-4, 0], A=+1: s = exp(2e-4), inside (though one token alone, exp(6e-4), is outside)
+    #        -> loss -s, every token gets gradient -A s / |y| / B = -s / 3 / 4
+    # row 1: [1e-3, 1e-3], A=+1: s = exp(1e-3) > 1 + 4e-4 -> loss -(1 + 4e-4), no gradient
+    # row 2: [-5e-4, -5e-4, -5e-4], A=-1: s = exp(-5e-4) < 1 - 3e-4 -> loss (1 - 3e-4), no gradient
+    # row 3: fully masked garbage -> contributes 0, still counts in B
+    lr = [[0.0, 6e-4, 0.0], [1e-3, 1e-3, 0.0], [-5e-4, -5e-4, -5e-4], [0.0, 0.0, 0.0]]
+    ratios = torch.tensor(lr, dtype=f64).exp()
+    adv = [[1.0] * 3, [1.0] * 3, [-1.0] * 3, [1.0] * 3]
+    mask = [[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean")
+    loss, m, grad = run_loss(kind, ratios, adv, mask, cfg)
+    s0, s1, s2 = math.exp(2e-4), math.exp(1e-3), math.exp(-5e-4)
+    close(loss, (-s0 - (1 + 4e-4) + (1 - 3e-4) + 0) / 4, rtol=1e-12)
+    close(grad, [[-s0 / 12] * 3, [0.0] * 3, [0.0] * 3, [0.0] * 3], rtol=1e-10)
+    # metrics are over the 3 sequences with a valid token
+    close(m["clip_frac_high"], 1 / 3)
+    close(m["clip_frac_low"], 1 / 3)
+    close(m["ratio_mean"], (s0 + s1 + s2) / 3, rtol=1e-12)
+    close(m["ratio_min"], s2, rtol=1e-12)
+    close(m["ratio_max"], s1, rtol=1e-12)
+
+
+def test_gspo_token_weights_each_token_by_its_own_advantage():
+    # One on-policy sequence (s = 1) of 2 tokens with per-token advantages A = [1, 3], seq-mean-token-mean.
+    # gspo:       loss = -mean_t(A_t) s,  d s / d logp_t = s / 2   -> grad = -2 * 1/2 = [-1, -1]
+    # gspo_token: loss = -mean_t(A_t s_t), d s_t / d logp_t = s_t  -> grad = -A_t / 2 = [-0.5, -1.5]
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean")
+    loss, _, grad = run_loss("gspo", [[1.0, 1.0]], [[1.0, 3.0]], [[1, 1]], cfg)
+    loss_tok, _, grad_tok = run_loss("gspo_token", [[1.0, 1.0]], [[1.0, 3.0]], [[1, 1]], cfg)
+    close(loss, -2.0, rtol=1e-12)
+    close(loss_tok, -2.0, rtol=1e-12)
+    close(grad, [[-1.0, -1.0]], rtol=1e-12)
+    close(grad_tok, [[-0.5, -1.5]], rtol=1e-12)
+
+
+def test_sapo_hand_computed():
+    # f(r) = sigmoid(tau (r - 1)) * 4 / tau; loss -f(r) A; d loss / d logp = -A f'(r) r, f'(r) = 4 s (1 - s)
+    # r = 1.2, A=+1, tau 1.0;  r = 0.8, A=-1, tau 1.05;  r = 3.0, A=+2, tau 1.0 (gate nearly shut)
+    ratios, advs, taus = [1.2, 0.8, 3.0], [1.0, -1.0, 2.0], [1.0, 1.05, 1.0]
+    loss, m, grad = run_loss("sapo", [ratios], [advs], [[1, 1, 1]])
+    exp_loss, exp_grad = 0.0, []
+    for r, a, tau in zip(ratios, advs, taus):
+        s = sigmoid(tau * (r - 1))
+        exp_loss += -s * 4 / tau * a / 3
+        exp_grad.append(-a * 4 * s * (1 - s) * r / 3)
+    close(loss, exp_loss, rtol=1e-12)
+    close(grad, [exp_grad], rtol=1e-10)
+    close(m["clip_frac_low"], 0.0)
+    close(m["clip_frac_high"], 0.0)
+
+
+def test_sapo_gradient_weight_is_one_at_ratio_one():
+    # On-policy, d(-loss)/d logp_t = A_t for both signs (so both temperatures); token sums, B = 1.
+    adv = [[1.0, -1.0, 0.5, -2.0]]
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-sum")
+    _, _, grad = run_loss("sapo", [[1.0] * 4], adv, [[1, 1, 1, 1]], cfg)
+    close(-grad, adv, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", algos.POLICY_LOSS_KINDS)
+def test_masked_garbage_does_not_leak(kind):
+    g = torch.Generator().manual_seed(2)
+    ratios = (0.1 * torch.randn(3, 4, generator=g, dtype=f64)).exp()
+    adv = torch.randn(3, 1, generator=g, dtype=f64).expand(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
+    results = [run_loss(kind, ratios, adv, mask, garbage=x) for x in (0.0, NAN, INF, -INF, 1e30)]
+    loss0, m0, grad0 = results[0]
+    assert torch.isfinite(grad0).all() and (grad0[mask == 0] == 0).all()
+    for loss, m, grad in results[1:]:
+        close(loss, loss0, rtol=0, atol=0)
+        close(grad, grad0, rtol=0, atol=0)
+        for k in m0:
+            close(m[k], m0[k], rtol=0, atol=0)
+
+
+def test_policy_loss_unknown_kind():
+    with pytest.raises(ValueError):
+        policy_loss("reinforce", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                    PolicyLossConfig())
+
+
+# ----------------------------------------------------------------------------- gradients vs finite differences
+
+def finite_difference(f, x, eps=1e-6):
+    grad = torch.zeros_like(x)
+    for i in range(x.numel()):
+        xp, xm = x.clone(), x.clone()
+        xp.view(-1)[i] += eps
+        xm.view(-1)[i] -= eps
+        grad.view(-1)[i] = (f(xp) - f(xm)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("agg_mode", algos.AGG_MODES)
+@pytest.mark.parametrize("kind", algos.POLICY_LOSS_KINDS)
+def test_policy_loss_gradient_matches_finite_differences(kind, agg_mode):
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 5
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0]])
+    valid = mask.bool()
+    # token log-ratios on the scale of each kind's band, so some tokens / sequences are clipped
+    scale = 5e-4 if kind.startswith("gspo") else 0.3
+    old = torch.randn(B, T, generator=g, dtype=f64) - 2
+    logp = old + scale * torch.randn(B, T, generator=g, dtype=f64)
+    adv = torch.randn(B, 1, generator=g, dtype=f64).expand(B, T)  # a sequence-level advantage, broadcast
+    logp, old = torch.where(valid, logp, INF), torch.where(valid, old, NAN)
+    adv = torch.where(valid, adv, NAN)
+    cfg = PolicyLossConfig(agg_mode=agg_mode, agg_norm=7.0)
+
+    def f(x):
+        return policy_loss(kind, x, old, adv, mask, cfg)[0]
+
+    x = logp.clone().requires_grad_()
+    loss, metrics = policy_loss(kind, x, old, adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss, x)
+    fd = finite_difference(f, logp)
+    close(grad, fd, rtol=1e-6, atol=1e-8)
+    assert grad.abs().sum() > 1e-3
+    if kind != "sapo":  # the data must exercise both clipped and unclipped tokens
+        clipped = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        assert 0 < clipped < 1, (kind, clipped)
+
+
+# ----------------------------------------------------------------------------- identities
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_grpo_without_clipping_is_reinforce(agg_mode):
+    # On-policy with the clip disabled, grad of the PPO loss = grad of -A * logp (REINFORCE) with GRPO's A.
+    g = torch.Generator().manual_seed(4)
+    B, T, G = 8, 6, 4
+    rewards = torch.randint(0, 2, (B,), generator=g).to(f64)
+    rewards[:G] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv = group_advantages(rewards, G, "grpo")[:, None].expand(B, T)  # (B, T)
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    logp = (torch.randn(B, T, generator=g, dtype=f64) - 2).requires_grad_()
+    cfg = PolicyLossConfig(clip_low=1e9, clip_high=1e9, agg_mode=agg_mode)
+    loss, _ = policy_loss("ppo", logp, logp.detach(), adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (grad_reinforce,) = torch.autograd.grad(aggregate(-adv * logp, mask, agg_mode), logp)
+    close(grad, grad_reinforce, rtol=1e-12, atol=1e-15)
+    assert grad.abs().max() > 0.01
+
+
+@pytest.mark.parametrize("kind", ["gspo", "gspo_token"])
+def test_gspo_on_length_one_sequences_is_ppo(kind):
+    # One valid token per row (at varying positions, garbage around it): s_i is that token's ratio.
+    g = torch.Generator().manual_seed(5)
+    B, T = 8, 3
+    mask = torch.zeros(B, T, dtype=torch.long)
+    mask[torch.arange(B), torch.arange(B) % T] = 1
+    ratios = (0.3 * torch.randn(B, T, generator=g, dtype=f64)).exp()
+    adv = torch.randn(B, T, generator=g, dtype=f64)
+    cfg = PolicyLossConfig(gspo_clip_low=0.2, gspo_clip_high=0.2, agg_mode="seq-mean-token-mean")
+    loss_ppo, m_ppo, grad_ppo = run_loss("ppo", ratios, adv, mask, cfg)
+    loss, m, grad = run_loss(kind, ratios, adv, mask, cfg)
+    close(loss, loss_ppo, rtol=1e-12)
+    close(grad, grad_ppo, rtol=1e-12)
+    for k in m_ppo:
+        close(m[k], m_ppo[k], rtol=1e-12)
+    assert 0 < m["clip_frac_low"] + m["clip_frac_high"] < 1
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def test_aggregate_modes():
+    loss = torch.tensor([[1.0, 2.0, NAN], [INF, 5.0, 6.0], [3.0, 4.0, 5.0]], dtype=f64)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1]])  # row 1 fully masked, still counts in B = 3
+    close(aggregate(loss, mask, "token-mean"), (1 + 2 + 3 + 5) / 4, rtol=1e-12)
+    close(aggregate(loss, mask, "seq-mean-token-sum"), (3 + 0 + 8) / 3, rtol=1e-12)
+    close(aggregate(loss, mask, "seq-mean-token-mean"), (1.5 + 0 + 4) / 3, rtol=1e-12)
+    close(aggregate(loss, mask, "seq-mean-token-sum-norm", norm=4), 11 / (3 * 4), rtol=1e-12)
+    close(aggregate(loss, torch.zeros(3, 3), "token-mean"), 0.0)
+    with pytest.raises(ValueError):
+        aggregate(loss, mask, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError):
+        aggregate(loss, mask, "sum")
+
+
+# ----------------------------------------------------------------------------- KL, entropy, value loss
+
+def test_kl_penalty_hand_computed():
+    logp = torch.tensor([-1.0, 0.0, -100.0], dtype=f64)
+    ref = torch.tensor([-2.0, -100.0, 0.0], dtype=f64)
+    close(kl_penalty(logp, ref, "k1"), [1.0, 100.0, -100.0], rtol=1e-12)
+    close(kl_penalty(logp, ref, "k2"), [0.5, 5000.0, 5000.0], rtol=1e-12)
+    # k3, log rho = ref - logp = -1: e^-1 - 1 + 1 = e^-1; -100 clamps to -20: e^-20 + 19 -> 10 (clamp);
+    # +100 clamps to 20: e^20 - 21 -> 10 (clamp)
+    close(kl_penalty(logp, ref, "k3"), [math.exp(-1), 10.0, 10.0], rtol=1e-12)
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_k1_and_k3_are_unbiased():
+    # Tokens sampled from pi: E[k1] = E[k3] = KL(pi || ref) exactly; check to 5 standard errors.
+    g = torch.Generator().manual_seed(6)
+    log_pi = torch.log_softmax(torch.tensor([1.0, 0.5, -0.5, -1.0, 0.0], dtype=f64), -1)
+    log_ref = torch.log_softmax(torch.tensor([0.0, 1.0, 0.0, -2.0, 0.5], dtype=f64), -1)
+    kl = (log_pi.exp() * (log_pi - log_ref)).sum()
+    x = torch.multinomial(log_pi.exp(), 200_000, replacement=True, generator=g)
+    for kind in ("k1", "k3"):
+        k = kl_penalty(log_pi[x], log_ref[x], kind)
+        assert abs(k.mean() - kl) < 5 * k.std() / math.sqrt(len(x)), kind
+
+
+def test_entropy_from_logits():
+    V = 7
+    close(entropy_from_logits(torch.zeros(2, 3, V)), torch.full((2, 3), math.log(V)), rtol=1e-6)
+    g = torch.Generator().manual_seed(7)
+    logits = 3 * torch.randn(4, 5, 11, generator=g, dtype=f64)
+    p = torch.softmax(logits, -1)
+    reference = -(p * p.log()).sum(-1)  # float64, the textbook formula
+    out = entropy_from_logits(logits.to(torch.bfloat16))
+    assert out.shape == (4, 5) and out.dtype == torch.float32
+    close(entropy_from_logits(logits), reference, rtol=1e-5, atol=1e-6)
+    # huge logits: a one-hot distribution, entropy 0, no overflow
+    close(entropy_from_logits(torch.tensor([1000.0, 0.0, -1000.0])), 0.0, atol=1e-6)
+
+
+def test_value_loss_hand_computed():
+    # clip 0.2, V_clip = V_old + clip(V - V_old, -0.2, 0.2)
+    # tok0: V 1.5 old 1 R 2:   (V-R)^2 = 0.25, V_clip 1.2 -> 0.64 -> 0.32, clipped term wins (no grad)
+    # tok1: V 1.1 old 1 R 2:   both 0.81 -> 0.405, not clipped, grad (V - R) / 4 = -0.225
+    # tok2: V 1.5 old 1 R 1.4: 0.01 vs 0.04 -> 0.02, clipped (no grad)
+    # tok3: V 1.5 old 1 R 0:   2.25 vs 1.44 -> 1.125, not clipped, grad 1.5 / 4 = 0.375
+    values = torch.tensor([[1.5, 1.1, 1.5, 1.5, NAN]], dtype=f64, requires_grad=True)
+    old = torch.tensor([[1.0, 1.0, 1.0, 1.0, INF]], dtype=f64)
+    returns = torch.tensor([[2.0, 2.0, 1.4, 0.0, NAN]], dtype=f64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    loss, m = value_loss(values, old, returns, mask, clip=0.2)
+    (grad,) = torch.autograd.grad(loss, values)
+    close(loss, (0.32 + 0.405 + 0.02 + 1.125) / 4, rtol=1e-12)
+    close(grad, [[0, -0.225, 0, 0.375, 0]], rtol=1e-12)
+    close(m["vf_clip_frac"], 0.5)
+
+
+# ----------------------------------------------------------------------------- DAPO extras
+
+def test_dynamic_sampling_mask():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.25])
+    keep = dynamic_sampling_mask(rewards, 3)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    with pytest.raises(ValueError):
+        dynamic_sampling_mask(rewards, 5)
+
+
+def test_overlong_penalty():
+    # L_max 100, L_cache 20: free up to 80, then a ramp (80 - |y|) / 20 down to -1 at 100, -1 beyond
+    lengths = torch.tensor([50, 80, 81, 90, 100, 120])
+    close(overlong_penalty(lengths, 100, 20), [0, 0, -0.05, -0.5, -1, -1], rtol=1e-6)
+    assert overlong_penalty(lengths, 100, 20).is_floating_point()
+    with pytest.raises(ValueError):
+        overlong_penalty(lengths, 100, 0)
