@@ -1,0 +1,631 @@
+"""Tests for agent.py: chat formatting, tool-call parsing, and the token-in token-out multi-turn loop.
+
+Oracles: the chat templates are checked against jinja2 renderings of the real Qwen3 template
+(fixtures/chat_templates/qwen3.jinja) and of CHAT_TEMPLATES["qwen2.5"] (plus transformers'
+apply_chat_template when it is installed). The loop is driven by a scripted engine that returns
+hand-written assistant texts, with a log-prob that is a known function of each token id, so every
+position of a trajectory can be checked against what the engine actually returned.
+"""
+import functools
+import json
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import pytest
+from hypothesis import given, settings, strategies as st
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import agent
+import env as env_module
+from agent import (CHAT_TEMPLATES, AgentConfig, Generation, SamplingParams, Trajectory, assistant_message,
+                   make_action, parse_tool_calls, render, render_continuation, rollout_metrics, run_episodes,
+                   to_batch)
+
+Task, ToolCall = env_module.Task, env_module.ToolCall
+ROOT = Path(__file__).resolve().parents[1]
+# the Qwen3 chat template shipped with Qwen3 checkpoints (a fixture kept next to the repository)
+QWEN3_TEMPLATE = next((p for p in (ROOT / "tests/fixtures/chat_templates/qwen3.jinja",
+                                   ROOT / "shared/fixtures/chat_templates/qwen3.jinja",
+                                   ROOT.parent / "shared/fixtures/chat_templates/qwen3.jinja") if p.exists()), None)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+            "</tool_response>", "<think>", "</think>"]
+
+
+# -----------------------------------------------------------------------------
+# jinja oracle (rendered the way Hugging Face does)
+
+def _raise(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_template(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(template)
+
+
+def jinja_render(template: str, messages, tools=None, add_generation_prompt=False, enable_thinking=None) -> str:
+    kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return compile_template(template).render(messages=messages, tools=tools,
+                                             add_generation_prompt=add_generation_prompt, **kw)
+
+
+def fn_call(name, arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "lookup", "description": "Look up a word (née, 数学).", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}},
+]
+SYS = {"role": "system", "content": "You are a careful assistant."}
+U1 = {"role": "user", "content": "What is 2 + 3?"}
+U2 = {"role": "user", "content": "And 4 + 5? Ünïcode ✓"}
+CALL_ADD = fn_call("add", {"a": 2, "b": 3})
+CALL_STR = fn_call("lookup", '{"word": "café"}')          # arguments as a JSON string
+TOOL5 = {"role": "tool", "name": "add", "content": "5"}
+TOOL_W = {"role": "tool", "name": "lookup", "content": "a coffee house"}
+
+RENDER_CASES = {
+    "single_turn": ([U1], None),
+    "single_turn_system": ([SYS, U1], None),
+    "tools_system": ([SYS, U1], TOOLS),
+    "tools_no_system": ([U1], TOOLS),
+    "multi_turn": ([SYS, U1, {"role": "assistant", "content": "5"}, U2, {"role": "assistant", "content": "9"}], None),
+    "several_tool_calls": ([SYS, U1, {"role": "assistant", "content": "", "tool_calls": [CALL_ADD, CALL_STR]}], TOOLS),
+    "tool_calls_with_content": ([U1, {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL_ADD]}], TOOLS),
+    "consecutive_tool_responses": ([SYS, U1, {"role": "assistant", "content": "", "tool_calls": [CALL_ADD, CALL_STR]},
+                                    TOOL5, TOOL_W, {"role": "assistant", "content": "It is 5."}], TOOLS),
+    "multi_step_after_last_query": ([
+        SYS, U1, {"role": "assistant", "content": "<think>\nold reasoning\n</think>\n\n5"}, U2,
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\nCalling.", "tool_calls": [CALL_ADD]}, TOOL5,
+        {"role": "assistant", "content": "", "tool_calls": [CALL_STR]}, TOOL_W,
+        {"role": "assistant", "content": "Done: 9."}], TOOLS),
+    "think_in_content": ([U1, {"role": "assistant", "content": "<think>\nr1\n</think>\n\nfive"}, U2,
+                          {"role": "assistant", "content": "<think>r2</think>nine"}], None),
+    "reasoning_content_field": ([U1, {"role": "assistant", "content": "five", "reasoning_content": "\nsum\n"}], None),
+    "wrapped_tool_response_user": ([U1, {"role": "assistant", "content": "", "tool_calls": [CALL_ADD]},
+                                    {"role": "user", "content": "<tool_response>\n5\n</tool_response>"}], TOOLS),
+    "system_midway": ([SYS, U1, {"role": "assistant", "content": "5"}, {"role": "system", "content": "Be brief."}, U2], None),
+    "tool_response_opens": ([{"role": "tool", "name": "add", "content": "5"}, U1], TOOLS),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_template():
+    if QWEN3_TEMPLATE is None:
+        pytest.skip("fixture chat_templates/qwen3.jinja not found")
+    return QWEN3_TEMPLATE.read_text()
+
+
+@pytest.mark.parametrize("gen", [False, True])
+@pytest.mark.parametrize("thinking", [None, True, False])
+@pytest.mark.parametrize("case", list(RENDER_CASES))
+def test_render_qwen3_matches_template(qwen3_template, case, thinking, gen):
+    messages, tools = RENDER_CASES[case]
+    expected = jinja_render(qwen3_template, messages, tools, add_generation_prompt=gen, enable_thinking=thinking)
+    assert render(messages, tools, add_generation_prompt=gen, chat_format="qwen3", enable_thinking=thinking) == expected
+
+
+@pytest.mark.parametrize("gen", [False, True])
+@pytest.mark.parametrize("case", list(RENDER_CASES))
+def test_render_qwen25_matches_template(case, gen):
+    messages, tools = RENDER_CASES[case]
+    expected = jinja_render(CHAT_TEMPLATES["qwen2.5"], messages, tools, add_generation_prompt=gen)
+    for thinking in (None, False):   # no <think> logic in qwen2.5: enable_thinking is ignored
+        assert render(messages, tools, add_generation_prompt=gen, chat_format="qwen2.5",
+                      enable_thinking=thinking) == expected
+
+
+def test_qwen25_hand_written():
+    # independent of any template: the defaults and the tool-call layout, written out
+    assert render([U1], add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    text = render([U1], TOOLS)
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                           "assistant.\n\n# Tools\n\n")
+    assert '"description": "Look up a word (née, 数学)."' in text   # ensure_ascii=False
+    msg = {"role": "assistant", "content": "", "tool_calls": [CALL_ADD, CALL_STR]}
+    assert render([U1, msg]).endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "lookup", "arguments": {"word": "café"}}\n</tool_call><|im_end|>\n')
+
+
+def test_qwen25_is_stable_and_qwen3_is_not():
+    # Re-rendering a longer conversation keeps the text of earlier turns in qwen2.5; in qwen3 the last
+    # assistant turn gains an empty think block that disappears once the conversation goes on.
+    convo = RENDER_CASES["consecutive_tool_responses"][0]
+    for k in range(1, len(convo)):
+        if convo[k - 1]["role"] == convo[k]["role"] == "tool":
+            continue                      # consecutive tool responses share one turn: no cut inside it
+        short, full = render(convo[:k], TOOLS), render(convo, TOOLS)
+        assert full.startswith(short)
+    short, full = render(convo[:3], TOOLS, chat_format="qwen3"), render(convo, TOOLS, chat_format="qwen3")
+    assert "<think>\n\n</think>" in short and not full.startswith(short)
+
+
+def test_transformers_apply_chat_template_agrees():
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer(models.BPE())
+    tok.add_special_tokens(SPECIALS)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATES["qwen2.5"])
+    for case in ("single_turn", "tools_system", "tools_no_system", "consecutive_tool_responses",
+                 "multi_step_after_last_query"):
+        messages, tools = RENDER_CASES[case]
+        for gen in (False, True):
+            got = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+            assert got == render(messages, tools, add_generation_prompt=gen)
+
+
+def test_unknown_format_and_role():
+    with pytest.raises(ValueError):
+        render([U1], chat_format="llama3")
+    with pytest.raises(ValueError):
+        render([U1, {"role": "critic", "content": "x"}])
+
+
+@pytest.mark.parametrize("fmt,thinking", [("qwen2.5", None), ("qwen3", None), ("qwen3", False), ("qwen3", True)])
+def test_render_continuation(fmt, thinking):
+    obs = [TOOL5, TOOL_W]
+    expected = ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\na coffee house\n"
+                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    if fmt == "qwen3" and thinking is False:
+        expected += "<think>\n\n</think>\n\n"
+    assert render_continuation(obs, fmt, thinking) == expected
+    user = [{"role": "user", "content": "Try again."}]
+    assert render_continuation(user, fmt, thinking).startswith("\n<|im_start|>user\nTry again.<|im_end|>\n")
+    # the continuation is what render() adds after an assistant turn's <|im_end|>
+    convo = [SYS, U1, {"role": "assistant", "content": "", "tool_calls": [CALL_ADD, CALL_STR]}]
+    full = render(convo + obs, TOOLS, add_generation_prompt=True, chat_format=fmt, enable_thinking=thinking)
+    assert full.endswith('</tool_call><|im_end|>' + expected)
+    if fmt == "qwen2.5":
+        assert render(convo, TOOLS)[:-1] + expected == full
+
+
+# -----------------------------------------------------------------------------
+# tool-call parsing
+
+def test_parse_well_formed():
+    assert parse_tool_calls("no tools here") == ([], None)
+    assert parse_tool_calls("") == ([], None)
+    calls, err = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    assert err is None and calls == [ToolCall("add", {"a": 1, "b": 2})]
+    text = ('I will call two.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+            '<tool_call>  \n\n {"tool": "lookup", "args": {"word": "x"}} \n</tool_call>')
+    calls, err = parse_tool_calls(text)
+    assert err is None and calls == [ToolCall("add", {"a": 1, "b": 2}), ToolCall("lookup", {"word": "x"})]
+    # arguments as a JSON-encoded string (OpenAI style) are decoded; missing arguments are {}
+    calls, err = parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 4}"}</tool_call>'
+                                  '<tool_call>{"name": "now"}</tool_call>')
+    assert err is None and calls == [ToolCall("add", {"a": 4}), ToolCall("now", {})]
+
+
+@pytest.mark.parametrize("text,n_ok,needle", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', 0, "invalid JSON"),
+    ('<tool_call>{"arguments": {"a": 1}}</tool_call>', 0, "without a name"),
+    ('<tool_call>{"name": "", "arguments": {}}</tool_call>', 0, "without a name"),
+    ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', 0, "not an object"),
+    ('<tool_call>{"name": "add", "arguments": "[1, 2]"}</tool_call>', 0, "not an object"),
+    ('<tool_call>{"name": "add", "arguments": "{oops"}</tool_call>', 0, "not valid JSON"),
+    ('<tool_call>["add"]</tool_call>', 0, "not an object"),
+    ('<tool_call>\n{"name": "add", "arguments": {"a"', 0, "not closed"),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then </tool_call>', 1, "stray"),
+    ('<tool_call>{"name": "a"} <tool_call>{"name": "b"}</tool_call>', 1, "not closed before"),
+    ('<tool_call>{"name": "ok", "arguments": {}}</tool_call><tool_call>{bad}</tool_call>', 1, "invalid JSON"),
+])
+def test_parse_errors(text, n_ok, needle):
+    calls, err = parse_tool_calls(text)
+    assert len(calls) == n_ok and err is not None and needle in err
+    action = make_action(text)
+    assert action.text == text and action.parse_error == err and len(action.tool_calls) == n_ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), st.lists(st.sampled_from(
+    ["<tool_call>", "</tool_call>", "{", "}", "[", '"name"', '"tool"', '"arguments"', '"args"', ":", ",", '"x"',
+     "1", "null", "\n", " ", '"{\\"a\\": 1}"', "<|im_end|>", "é"]), max_size=40).map("".join)))
+def test_parse_never_raises(text):
+    calls, err = parse_tool_calls(text)
+    assert all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls)
+    assert err is None or isinstance(err, str)
+    assert isinstance(assistant_message(text)["content"], str)
+
+
+def test_parse_bounded_time_on_long_inputs():
+    for text in ["<tool_call>" * 50_000, "</tool_call>" * 50_000, "<tool_call>{" * 30_000 + "</tool_call>",
+                 "<tool_call>" + "[" * 100_000 + "</tool_call>", "x" * 1_000_000]:
+        t0 = time.perf_counter()
+        calls, err = parse_tool_calls(text)
+        assert time.perf_counter() - t0 < 2.0
+        assert calls == [] and (err is not None or text[0] == "x")
+
+
+CANONICAL_ASSISTANT_TEXTS = [
+    "The answer is 5.",
+    "",
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+    'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "lookup", "arguments": {"word": "café"}}\n</tool_call>',
+    'Trailing newline kept\n\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", CANONICAL_ASSISTANT_TEXTS)
+def test_assistant_message_round_trips(text):
+    # render() of the parsed message gives the generated text back (after the generation prompt)
+    prompt = render([U1], TOOLS, add_generation_prompt=True)
+    assert render([U1, assistant_message(text)], TOOLS) == prompt + text + "<|im_end|>\n"
+
+
+def test_assistant_message_keeps_malformed_blocks_in_content():
+    text = 'Hmm.\n<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'
+    assert assistant_message(text) == {"role": "assistant", "content": text}
+
+
+# -----------------------------------------------------------------------------
+# the multi-turn loop: a tokenizer, a scripted engine, fake envs
+
+@pytest.fixture(scope="module")
+def tok():
+    """Byte-level BPE like Qwen's, trained on rendered conversations; the chat tokens are special."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(300):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        convo = [{"role": "system", "content": CalcEnv.SYSTEM}, {"role": "user", "content": f"Compute {a} + {b}."},
+                 {"role": "assistant", "content": "Let me add.", "tool_calls": [fn_call("add", {"a": a, "b": b})]},
+                 {"role": "tool", "name": "add", "content": str(a + b)},
+                 {"role": "assistant", "content": f"ANSWER: {a + b}"}]
+        lines.append(render(convo, CalcEnv.TOOLS, chat_format=rng.choice(["qwen2.5", "qwen3"])))
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(lines, trainer)
+    return t
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def fake_logprob(token_id: int) -> float:
+    return -(token_id + 1) / 1000.0       # never 0.0, and a known function of the token
+
+
+class ScriptedEngine:
+    """Answers each prompt with a hand-written assistant text chosen by (task prompt, turn).
+
+    script: {task prompt: [text of turn 0, text of turn 1, ...]} (the last one repeats). The reply is
+    encode(text + '<|im_end|>'), cut to params.max_tokens (finish "length") or at a stop token."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script = tok, script
+        self.calls = []                       # (prompts, params) of every generate call
+        self.replies = {}                     # tuple(prompt ids) -> generated ids
+
+    def generate(self, prompts, params):
+        self.calls.append(([list(p) for p in prompts], params))
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p, skip_special_tokens=False)
+            key = next(k for k in self.script if k in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            texts = self.script[key]
+            ids = encode(self.tok, texts[min(turn, len(texts) - 1)] + "<|im_end|>")
+            finish = "length"
+            for k, t in enumerate(ids):
+                if t in params.stop_token_ids:
+                    ids, finish = ids[:k + 1], "stop"
+                    break
+            if len(ids) > params.max_tokens:
+                ids, finish = ids[:params.max_tokens], "length"
+            self.replies[tuple(p)] = ids
+            out.append(Generation(token_ids=ids, logprobs=[fake_logprob(t) for t in ids], finish_reason=finish))
+        return out
+
+
+@dataclass(frozen=True)
+class CalcState:
+    task: object
+    turn: int = 0
+    tool_errors: int = 0
+
+
+class CalcEnv:
+    """A tiny tool env following the env.Env interface: an `add` tool, then 'ANSWER: n' ends the episode."""
+    name = "calc"
+    SYSTEM = "Use the add tool, then reply with ANSWER: <number>."
+    TOOLS = [TOOLS[0]]
+
+    def tools(self):
+        return self.TOOLS
+
+    def reset(self, task, seed):
+        return CalcState(task), [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": task.prompt}]
+
+    def step(self, state, action):
+        state = replace(state, turn=state.turn + 1)
+        if action.parse_error is not None:
+            return state, [{"role": "user", "content": f"Error: {action.parse_error}"}], 0.0, False, {"turn": state.turn}
+        if action.tool_calls:
+            obs = []
+            for c in action.tool_calls:
+                if c.name == "add" and set(c.arguments) == {"a", "b"}:
+                    obs.append({"role": "tool", "name": c.name, "content": str(c.arguments["a"] + c.arguments["b"])})
+                else:
+                    state = replace(state, tool_errors=state.tool_errors + 1)
+                    obs.append({"role": "tool", "name": c.name, "content": "error: bad call"})
+            return state, obs, 0.0, False, {"turn": state.turn}
+        reward = float(f"ANSWER: {state.task.answer}" in action.text)
+        return state, [], reward, True, {"turn": state.turn, "correct": reward == 1.0}
+
+
+class BoomEnv(CalcEnv):
+    name = "boom"
+
+    def step(self, state, action):
+        raise RuntimeError("the sandbox died")
+
+
+def calc_task(i, a, b, env="calc"):
+    return Task(env=env, id=f"{env}-{i}", prompt=f"Compute {a} + {b}.", answer=str(a + b))
+
+
+def call_text(a, b, content=""):
+    block = '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n</tool_call>' % (a, b)
+    return (content + "\n" + block) if content else block
+
+
+def episode_prompts(engine, traj):
+    """The distinct prompts the engine saw for this trajectory, shortest first."""
+    seen = {tuple(p) for prompts, _ in engine.calls for p in prompts if traj.token_ids[:len(p)] == p}
+    return [list(p) for p in sorted(seen, key=len)]
+
+
+def three_turn_script(a, b):
+    # two tool calls in one message, then another call with content, then the answer
+    return [call_text(a, b) + "\n" + call_text(b, a), call_text(a + b, 0, content="Double-check."),
+            f"ANSWER: {a + b}"]
+
+
+def test_no_drift_qwen25_and_exact_mask(tok):
+    tasks = [calc_task(0, 2, 3), calc_task(1, 40, 17)]
+    engine = ScriptedEngine(tok, {t.prompt: three_turn_script(int(t.prompt.split()[1]), int(t.prompt.split()[3][:-1]))
+                                  for t in tasks})
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=2048)
+    trajs = run_episodes(engine, {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(max_tokens=200), seed=0)
+    im_end = tok.token_to_id("<|im_end|>")
+    for tr in trajs:
+        assert (tr.done, tr.finish_reason, tr.reward, tr.num_turns, tr.num_tool_calls) == (True, "done", 1.0, 3, 3)
+        assert tr.parse_failures == tr.env_errors == tr.empty_responses == tr.tool_errors == 0
+        assert len(tr.token_ids) == len(tr.loss_mask) == len(tr.logprobs)
+        # (1) no drift: the token-in-token-out trajectory is the tokenization of the final conversation
+        full = render(tr.messages, CalcEnv.TOOLS, chat_format="qwen2.5")
+        assert full.endswith("<|im_end|>\n") and tr.token_ids == encode(tok, full[:-1])
+        a, b = (2, 3) if tr.group == 0 else (40, 17)
+        assert tr.messages[2] == {"role": "assistant", "content": "",
+                                  "tool_calls": [fn_call("add", {"a": a, "b": b}), fn_call("add", {"a": b, "b": a})]}
+        # (2) mask 1 exactly on what the engine returned, log-probs on those positions, 0 elsewhere
+        prompts = episode_prompts(engine, tr)
+        assert len(prompts) == 3 and prompts[0] == tr.token_ids[:tr.prompt_len]
+        expected_mask = [0] * len(tr.token_ids)
+        for p in prompts:
+            gen = engine.replies[tuple(p)]
+            assert tr.token_ids[len(p):len(p) + len(gen)] == gen and gen[-1] == im_end
+            expected_mask[len(p):len(p) + len(gen)] = [1] * len(gen)
+        assert tr.loss_mask == expected_mask
+        assert tr.logprobs == [fake_logprob(t) if m else 0.0 for t, m in zip(tr.token_ids, tr.loss_mask)]
+        assert tr.token_ids[-1] == im_end and tr.loss_mask[-1] == 1
+
+
+def test_truncated_generation_gets_forced_im_end(tok):
+    task = calc_task(0, 2, 3)
+    engine = ScriptedEngine(tok, {task.prompt: [call_text(2, 3, content="I will now call the add tool"), "ANSWER: 5"]})
+    cfg = AgentConfig(n_samples=1, max_turns=3, max_total_tokens=2048)
+    (tr,) = run_episodes(engine, {"calc": CalcEnv()}, [task], tok, cfg, SamplingParams(max_tokens=6), seed=0)
+    im_end = tok.token_to_id("<|im_end|>")
+    P = tr.prompt_len
+    # (3) six sampled tokens (mask 1), then a forced <|im_end|> (mask 0, log-prob 0)
+    assert engine.calls[0][1].max_tokens == 6 and len(engine.replies[tuple(tr.token_ids[:P])]) == 6
+    assert tr.loss_mask[P:P + 7] == [1] * 6 + [0] and tr.token_ids[P + 6] == im_end and tr.logprobs[P + 6] == 0.0
+    assert im_end not in tr.token_ids[P:P + 6]
+    assert tr.messages[2] == {"role": "assistant", "content": tok.decode(tr.token_ids[P:P + 6])}
+    # the cut text has no tool call, so the env takes it as a (wrong) final answer; the conversation is
+    # well formed: closed by the forced <|im_end|>, it re-renders to the same tokens
+    assert (tr.done, tr.reward, tr.num_turns, tr.parse_failures) == (True, 0.0, 1, 0)
+    assert tr.token_ids == encode(tok, render(tr.messages, CalcEnv.TOOLS)[:-1])
+
+
+def test_truncated_tool_call_is_a_parse_failure(tok):
+    task = calc_task(0, 2, 3)
+    engine = ScriptedEngine(tok, {task.prompt: [call_text(2, 3), "ANSWER: 5"]})
+    cfg = AgentConfig(n_samples=1, max_turns=3, max_total_tokens=2048)
+    (tr,) = run_episodes(engine, {"calc": CalcEnv()}, [task], tok, cfg, SamplingParams(max_tokens=4), seed=0)
+    assert tr.parse_failures == 1 and tr.num_tool_calls == 0
+    assert tr.messages[3]["role"] == "user" and "not closed" in tr.messages[3]["content"]
+    assert tr.done and tr.reward == 1.0
+
+
+def test_other_stop_token_is_closed_with_im_end(tok):
+    task = calc_task(0, 2, 3)
+    engine = ScriptedEngine(tok, {task.prompt: ["ANSWER: 5<|endoftext|>"]})
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    params = SamplingParams(max_tokens=50, stop_token_ids=(eot,))
+    (tr,) = run_episodes(engine, {"calc": CalcEnv()}, [task], tok, AgentConfig(n_samples=1), params, seed=0)
+    assert engine.calls[0][1].stop_token_ids == (im_end, eot)
+    assert tr.token_ids[-2:] == [eot, im_end] and tr.loss_mask[-2:] == [1, 0]
+    assert tr.messages[-1]["content"] == "ANSWER: 5" and tr.reward == 1.0
+
+
+def test_max_turns_ends_episode(tok):
+    task = calc_task(0, 2, 3)
+    engine = ScriptedEngine(tok, {task.prompt: [call_text(2, 3)]})      # calls the tool forever
+    cfg = AgentConfig(n_samples=2, max_turns=2, max_total_tokens=4096)
+    trajs = run_episodes(engine, {"calc": CalcEnv()}, [task], tok, cfg, SamplingParams(max_tokens=100), seed=0)
+    for tr in trajs:
+        assert (tr.finish_reason, tr.done, tr.reward, tr.num_turns, tr.num_tool_calls) == ("max_turns", False, 0.0, 2, 2)
+        assert tr.token_ids[-1] == tok.token_to_id("<|im_end|>") and tr.loss_mask[-1] == 1
+        # the last observation is not appended (no turn would answer it)
+        assert tr.messages[-1]["role"] == "assistant"
+    assert len(engine.calls) == 2
+    assert rollout_metrics(trajs)["rollout/truncated"] == 1.0
+
+
+def test_token_budget_ends_episodes(tok):
+    short, long_ = calc_task(0, 2, 3), calc_task(1, 4, 5)
+    long_ = replace(long_, prompt="Compute 4 + 5. " + "Please be careful with the numbers. " * 2)
+    engine = ScriptedEngine(tok, {short.prompt: [call_text(2, 3)], "Compute 4 + 5.": [call_text(4, 5)]})
+    env = CalcEnv()
+    P_short = len(encode(tok, render(env.reset(short, 0)[1], env.TOOLS, add_generation_prompt=True)))
+    P_long = len(encode(tok, render(env.reset(long_, 0)[1], env.TOOLS, add_generation_prompt=True)))
+    budget = P_long + 40
+    assert P_short < P_long
+    cfg = AgentConfig(n_samples=1, max_turns=10, max_total_tokens=budget)
+    trajs = run_episodes(engine, {"calc": env}, [short, long_], tok, cfg, SamplingParams(max_tokens=500), seed=0)
+    for tr in trajs:
+        assert tr.finish_reason == "max_tokens" and not tr.done and tr.reward == 0.0
+        assert len(tr.token_ids) <= budget and tr.num_turns >= 1
+    # one call per turn; it asks for the largest remaining budget (one token kept for a forced <|im_end|>)
+    assert engine.calls[0][1].max_tokens == budget - P_short - 1
+    # each episode got at most its own budget
+    assert sum(trajs[1].loss_mask[P_long:]) <= budget - P_long - 1
+    # a prompt longer than the budget: no turn at all
+    cfg = replace(cfg, max_total_tokens=P_short)
+    (tr,) = run_episodes(ScriptedEngine(tok, {}), {"calc": env}, [short], tok, cfg, SamplingParams(), seed=0)
+    assert (tr.num_turns, tr.finish_reason, sum(tr.loss_mask)) == (0, "max_tokens", 0)
+
+
+def test_env_error_ends_episode_cleanly_in_mixed_batch(tok):
+    tasks = [calc_task(0, 2, 3), calc_task(1, 4, 5, env="boom")]
+    engine = ScriptedEngine(tok, {t.prompt: three_turn_script(int(t.prompt.split()[1]), int(t.prompt.split()[3][:-1]))
+                                  for t in tasks})
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=2048)
+    trajs = run_episodes(engine, {"calc": CalcEnv(), "boom": BoomEnv()}, tasks, tok, cfg, SamplingParams(), seed=0)
+    ok, boom = trajs[:2], trajs[2:]
+    for tr in boom:
+        assert (tr.env_errors, tr.reward, tr.done, tr.finish_reason, tr.num_turns) == (1, 0.0, False, "env_error", 1)
+        assert "the sandbox died" in tr.info["error"]
+    assert all(tr.reward == 1.0 and tr.done for tr in ok)
+    m = rollout_metrics(trajs)
+    assert m["rollout/calc/reward"] == 1.0 and m["rollout/boom/reward"] == 0.0 and m["rollout/env_errors"] == 0.5
+
+
+def test_group_major_order_and_seeds(tok):
+    tasks = [calc_task(i, i, i + 1) for i in range(3)]
+    engine = ScriptedEngine(tok, {t.prompt: ["ANSWER: 0"] for t in tasks})
+    cfg = AgentConfig(n_samples=3, max_turns=1)
+    trajs = run_episodes(engine, {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(n=5, seed=None), seed=7)
+    assert [(t.group, t.sample) for t in trajs] == [(g, s) for g in range(3) for s in range(3)]
+    assert [t.task for t in trajs] == [tasks[g] for g in range(3) for _ in range(3)]
+    (prompts, params), = engine.calls
+    assert len(prompts) == 9 and params.n == 1 and params.seed is not None
+    # reproducible: the engine seed of each turn depends only on (seed, turn)
+    again = ScriptedEngine(tok, engine.script)
+    run_episodes(again, {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(), seed=7)
+    other = ScriptedEngine(tok, engine.script)
+    run_episodes(other, {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(), seed=8)
+    assert again.calls[0][1].seed == params.seed != other.calls[0][1].seed
+
+
+def test_to_batch_shapes_and_padding(tok):
+    tasks = [calc_task(0, 2, 3), calc_task(1, 40, 17)]
+    engine = ScriptedEngine(tok, {tasks[0].prompt: ["ANSWER: 5"], tasks[1].prompt: three_turn_script(40, 17)})
+    trajs = run_episodes(engine, {"calc": CalcEnv()}, tasks, tok, AgentConfig(n_samples=2, max_total_tokens=2048),
+                         SamplingParams(), seed=0)
+    batch = to_batch(trajs, pad_id=-1)
+    lengths = [len(t.token_ids) for t in trajs]
+    B, T = 4, max(lengths)
+    assert lengths[0] < lengths[2]
+    assert batch.input_ids.shape == batch.loss_mask.shape == batch.logprobs.shape == (B, T)
+    assert batch.input_ids.dtype == agent.torch.long and batch.loss_mask.dtype == agent.torch.float32
+    assert batch.lengths.tolist() == lengths and batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.rewards.tolist() == [1.0, 1.0, 1.0, 1.0]
+    for b, t in enumerate(trajs):
+        L = lengths[b]
+        assert batch.input_ids[b, :L].tolist() == t.token_ids and (batch.input_ids[b, L:] == -1).all()
+        assert batch.loss_mask[b, :L].tolist() == t.loss_mask and (batch.loss_mask[b, L:] == 0).all()
+        assert batch.logprobs[b, :L].tolist() == pytest.approx(t.logprobs) and (batch.logprobs[b, L:] == 0).all()
+
+
+def test_qwen3_token_in_token_out_despite_rerender_drift(tok):
+    task = calc_task(0, 2, 3)
+    engine = ScriptedEngine(tok, {task.prompt: three_turn_script(2, 3)})
+    cfg = AgentConfig(n_samples=1, max_turns=4, max_total_tokens=2048, chat_format="qwen3", enable_thinking=False)
+    (tr,) = run_episodes(engine, {"calc": CalcEnv()}, [task], tok, cfg, SamplingParams(), seed=0)
+    assert tr.done and tr.reward == 1.0 and tr.num_turns == 3
+    # (8) each turn's prompt extends the previous prompt + its generation: nothing earlier is re-tokenized
+    prompts = episode_prompts(engine, tr)
+    assert len(prompts) == 3
+    for prev, nxt in zip(prompts, prompts[1:]):
+        gen = engine.replies[tuple(prev)]
+        assert nxt[:len(prev) + len(gen)] == prev + gen
+    assert tr.token_ids[:len(prompts[-1])] == prompts[-1]
+    # every generation prompt carried the empty think block...
+    text = tok.decode(tr.token_ids, skip_special_tokens=False)
+    assert text.count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == 3
+    # ...but Qwen3's template, re-rendering the finished conversation, keeps it only on the last assistant
+    # turn: the re-rendered text is not what the engine saw, so trajectories must be built token-in-token-out.
+    rerender = render(tr.messages, CalcEnv.TOOLS, chat_format="qwen3", enable_thinking=False)
+    assert rerender.count("<think>") == 1 and rerender[:-1] != text
+
+
+def test_rollout_metrics_hand_computed():
+    def tr(group, reward, env="calc", finish="done", mask=(0, 1, 1), turns=1):
+        t = Task(env=env, id=f"{env}-{group}", prompt="p", answer="a")
+        return Trajectory(task=t, group=group, sample=0, token_ids=[1] * len(mask), loss_mask=list(mask),
+                          logprobs=[0.0] * len(mask), prompt_len=1, messages=[], reward=reward,
+                          done=finish == "done", num_turns=turns, finish_reason=finish)
+    trajs = [tr(0, 1.0), tr(0, 0.0, finish="max_turns", turns=3), tr(1, 1.0, mask=(0, 1, 1, 1, 1)), tr(1, 1.0)]
+    m = rollout_metrics(trajs)
+    assert m["rollout/reward"] == 0.75
+    assert m["rollout/num_turns"] == 1.5                    # (1 + 3 + 1 + 1) / 4
+    assert m["rollout/response_tokens"] == 2.5              # (2 + 2 + 4 + 2) / 4
+    assert m["rollout/total_tokens"] == 3.5                 # (3 + 3 + 5 + 3) / 4
+    assert m["rollout/truncated"] == 0.25
+    assert m["rollout/frac_groups_mixed"] == 0.5            # group 0 mixed, group 1 all 1.0
+    assert not any(k.startswith("rollout/calc/") for k in m)  # one env: no per-env keys
+    m = rollout_metrics(trajs + [tr(2, 0.0, env="search")])
+    assert m["rollout/calc/reward"] == 0.75 and m["rollout/search/reward"] == 0.0
+
+
+# -----------------------------------------------------------------------------
+# the real env: expert demonstrations replayed through the loop
+
+def test_real_toy_math_env_replays_demonstrations(tok):
+    env = env_module.make_env("toy_math")
+    tasks = env.sample_tasks("test", 3, seed=0)
+    scripts = {}
+    for task in tasks:
+        demo = env.demonstration(task, random.Random(0), use_tools=True)
+        # the canonical text of each assistant turn = what render() writes after the generation prompt
+        texts = []
+        for i, msg in enumerate(demo):
+            if msg["role"] == "assistant":
+                before = render(demo[:i], env.tools(), add_generation_prompt=True)
+                texts.append(render(demo[:i + 1], env.tools())[len(before):-len("<|im_end|>\n")])
+        scripts[task.prompt] = texts
+    engine = ScriptedEngine(tok, scripts)
+    cfg = AgentConfig(n_samples=2, max_turns=8, max_total_tokens=8192)
+    trajs = run_episodes(engine, {env.name: env}, tasks, tok, cfg, SamplingParams(max_tokens=1024), seed=0)
+    for tr in trajs:
+        assert tr.done and tr.reward == 1.0 and tr.parse_failures == 0 and tr.env_errors == 0
+        assert tr.token_ids == encode(tok, render(tr.messages, env.tools())[:-1])
+
+
+def test_qwen25_assistant_content_none():
+    # OpenAI-style tool-call messages may carry content None; qwen2.5 renders it as empty content
+    messages = [U1, {"role": "assistant", "content": None, "tool_calls": [CALL_ADD]}, TOOL5]
+    expected = jinja_render(CHAT_TEMPLATES["qwen2.5"], messages, TOOLS, add_generation_prompt=True)
+    assert render(messages, TOOLS, add_generation_prompt=True) == expected
