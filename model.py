@@ -1,0 +1,396 @@
+"""model.py: a pure-PyTorch decoder-only transformer that loads and saves Hugging Face checkpoints.
+
+One module covers the Qwen2 / Qwen2.5, Qwen3 and Llama-3 families; they differ only in three switches:
+q/k/v biases (Qwen2), a per-head RMSNorm on q and k (Qwen3), and Llama-3's rescaled RoPE frequencies.
+Parameter names are exactly Hugging Face's, so `*.safetensors` files load and save without renaming and
+vLLM or transformers can read what we write. Everything else is the textbook pre-norm decoder:
+  x = x + Attention(RMSNorm(x));  x = x + SwiGLU(RMSNorm(x));  logits = lm_head(RMSNorm(x))
+
+References
+  RMSNorm: Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467
+  RoPE:    Su et al. 2021, https://arxiv.org/abs/2104.09864 (HF "rotate_half" layout: pairs are (i, i + hd/2))
+  GQA:     Ainslie et al. 2023, https://arxiv.org/abs/2305.13245 (nkv < nh heads of keys/values, shared)
+  SwiGLU:  Shazeer 2020, https://arxiv.org/abs/2002.05202
+
+Shapes: B batch, T tokens (queries), Tk keys (cached + new), H hidden, V vocab,
+        nh query heads, nkv key/value heads, hd head dim, I MLP width.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    """Mirrors the fields of a Hugging Face config.json that these three families use."""
+    model_type: str = "qwen2"             # "qwen2" | "qwen3" | "llama"
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 352          # SwiGLU width I
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4          # nh
+    num_key_value_heads: int = 2          # nkv (divides nh)
+    head_dim: int | None = None           # hd; None -> hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False     # lm_head shares the embedding matrix
+    attention_bias: bool | None = None    # q/k/v (and for llama/qwen3 also o) biases; None -> family default
+    qk_norm: bool | None = None           # per-head RMSNorm on q and k; None -> True for qwen3
+    rope_scaling: dict | None = None      # llama3: {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                                          #          "original_max_position_embeddings"}
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type {self.model_type!r} not supported; expected one of {list(ARCHITECTURES)}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_bias is None:
+            self.attention_bias = self.model_type == "qwen2"
+        if self.qk_norm is None:
+            self.qk_norm = self.model_type == "qwen3"
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Read a config.json dict; unknown keys are ignored, unsupported features raise."""
+        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias") or d.get("use_sliding_window"):
+            raise NotImplementedError("only SiLU MLPs without bias and full attention are supported")
+        # transformers >= 5 writes rope settings under "rope_parameters"; older files use rope_theta/rope_scaling
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise NotImplementedError(f"rope_type {rope_type!r} not supported")
+        theta = rope.pop("rope_theta", 10000.0)  # transformers 5 keeps theta inside rope_parameters,
+        theta = d.get("rope_theta", theta)        # older files at the top level
+        known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        scaling = {"rope_type": "llama3", **rope} if rope_type == "llama3" else None
+        return cls(**kwargs, rope_theta=float(theta), rope_scaling=scaling)
+
+    def to_hf(self) -> dict:
+        """A config.json dict that transformers (4.x and 5.x) and vLLM read as the same model."""
+        # Hugging Face ties these flags to the architecture; refuse to write a file that loads differently.
+        if (self.model_type == "qwen2" and not self.attention_bias) or self.qk_norm != (self.model_type == "qwen3"):
+            raise ValueError(f"attention_bias={self.attention_bias}, qk_norm={self.qk_norm} has no "
+                             f"Hugging Face {self.model_type} equivalent")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "qk_norm"}
+        return {"architectures": [ARCHITECTURES[self.model_type]], **d, "hidden_act": "silu"}
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32 (bf16 squares overflow/underflow), cast back, then scale: HF's exact order
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotation speeds theta^(-2i/hd), i < hd/2, with Llama-3's long-context rescaling if configured."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device="cpu") / hd))  # (hd/2,)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.1: slow (long-wavelength) components are divided by `factor`, fast ones kept, the band between
+    # interpolated smoothly (same formula as transformers' _compute_llama3_parameters).
+    old_len = s["original_max_position_embeddings"]
+    low, high, factor = s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_mid, smoothed, scaled)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, n, T, hd); cos/sin (B, T, hd) -> x rotated by its position's angles."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
+        # Qwen2 never has an output bias; Llama and Qwen3 put one on o_proj too when attention_bias is set
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size,
+                                bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's hd features, before RoPE
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None, layer_idx=0):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)   # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd)  # (B, T, nkv, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)  # (B, T, nkv, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)       # (B, nh, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)       # (B, nkv, T, hd)
+        v = v.transpose(1, 2)                             # (B, nkv, T, hd)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)       # (B, nkv, Tk, hd)
+        # mask None means "no padding": plain causal when several queries start at key 0, and a single
+        # decode query sees every cached key anyway
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           enable_gqa=self.nkv != self.nh)  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (B, T, I) inside
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None, layer_idx=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KVCache:
+    """Preallocated keys/values for incremental decoding: one (B, nkv, max_len, hd) pair per layer.
+
+    `pos` counts the positions filled. A forward pass with T new tokens writes them at [pos, pos + T) in every
+    layer and then advances pos by T (the Transformer does the advance, after the last layer).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu"):
+        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.max_len = max_len
+        self.pos = 0
+
+    def update(self, layer_idx, k, v):
+        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far, (B, nkv, pos + T, hd)."""
+        end = self.pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache overflow: {end} positions > max_len {self.max_len}")
+        self.k[layer_idx][:, :, self.pos:end] = k
+        self.v[layer_idx][:, :, self.pos:end] = v
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def keep_rows(self, rows):
+        """Keep batch rows `rows` (B',) long, in that order, repeats allowed: a sampler drops finished rows, or
+        copies one prompt's prefill into its n samples."""
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+
+
+def attention_mask(T: int, past: int, key_padding_mask, device):
+    """Boolean (B, 1, T, Tk) mask, True = may attend; None when plain causal attention is exact.
+
+    Query t sits at absolute slot past + t and sees keys [0, past + t] that are real tokens. It always sees
+    itself, so a left-pad query (no real key before it) still gets a finite softmax instead of NaN.
+    """
+    Tk = past + T
+    if key_padding_mask is None and (past == 0 or T == 1):
+        return None
+    q_slot = torch.arange(past, Tk, device=device)[:, None]  # (T, 1)
+    k_slot = torch.arange(Tk, device=device)[None, :]        # (1, Tk)
+    mask = (k_slot <= q_slot)[None, None]                    # (1, 1, T, Tk) causal
+    if key_padding_mask is not None:
+        mask = (mask & key_padding_mask[:, None, None, :Tk]) | (k_slot == q_slot)  # (B, 1, T, Tk)
+    return mask
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(  # the "model." prefix of Hugging Face's parameter names
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        # A plain fp32 attribute, not a buffer: model.to(bfloat16) would round a buffer and shift the angles.
+        self.inv_freq = rope_inv_freq(cfg)  # (hd/2,)
+        self.gradient_checkpointing = False  # recompute each decoder layer during backward (saves activations)
+
+    def tie_weights(self):
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids, position_ids=None, key_padding_mask=None, kv_cache=None):
+        """input_ids (B, T) -> final-normed hidden states (B, T, H).
+
+        position_ids (B, T) default to past + arange(T); key_padding_mask (B, >= past + T), True = real token,
+        is needed only with left padding. With kv_cache, the new keys/values are appended and cache.pos advances.
+        """
+        B, T = input_ids.shape
+        past = kv_cache.pos if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(input_ids.device)  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                                        # (B, T, hd)
+        x = self.model.embed_tokens(input_ids)                                         # (B, T, H)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        mask = attention_mask(T, past, key_padding_mask, input_ids.device)
+        for i, layer in enumerate(self.model.layers):
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, kv_cache, i, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        return self.model.norm(x)
+
+    def forward(self, input_ids, position_ids=None, key_padding_mask=None, kv_cache=None):
+        """-> logits (B, T, V) in the model's dtype."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, key_padding_mask, kv_cache))
+
+    def token_logprobs(self, input_ids, temperature=1.0, chunk_size=256, return_entropy=False):
+        """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] / temperature)
+        [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token). entropy[:, t] is the entropy of that
+        same distribution (0 at t = 0).
+
+        The lm_head and log-softmax run chunk_size positions at a time in fp32, each chunk under activation
+        checkpointing, so the (B, T, V) fp32 logits never exist at once, in forward or backward.
+        """
+        h = self.hidden_states(input_ids)[:, :-1]  # (B, T-1, H) position t-1 predicts token t
+        targets = input_ids[:, 1:]                 # (B, T-1)
+
+        def chunk_logprobs(h_c, tgt_c):
+            logits = self.lm_head(h_c).float() / temperature           # (B, C, V)
+            logp_all = torch.log_softmax(logits, dim=-1)                # (B, C, V)
+            logp = logp_all.gather(-1, tgt_c[..., None]).squeeze(-1)    # (B, C)
+            ent = -(logp_all.exp() * logp_all).sum(-1) if return_entropy else torch.zeros_like(logp)
+            return logp, ent
+
+        recompute = torch.is_grad_enabled() and h.requires_grad
+        logps, ents = [], []
+        for s in range(0, h.shape[1], chunk_size):
+            args = (h[:, s:s + chunk_size], targets[:, s:s + chunk_size])
+            lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args)
+            logps.append(lp)
+            ents.append(ent)
+        zero = h.new_zeros(h.shape[0], 1, dtype=torch.float32)         # (B, 1)
+        logp = torch.cat([zero] + logps, dim=1)                         # (B, T)
+        if return_entropy:
+            return logp, torch.cat([zero] + ents, dim=1)                # (B, T), (B, T)
+        return logp
+
+
+# ----------------------------------------------------------------------------- init, load, save
+
+def init_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A freshly initialised model, identical for the same seed: N(0, 0.02) weights, zero biases, unit norms."""
+    with torch.device("meta"):  # skip nn.Linear's own init (slow, and it draws from the global RNG)
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the two tied names separate storage; share it again
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
+    """Load config.json plus model.safetensors, or the shards listed in model.safetensors.index.json."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for file in files:
+        state.update(load_file(os.path.join(path, file), device=str(device)))
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store a copy; the tied parameter wins
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the config: missing {missing}, unexpected {unexpected}")
+    model.load_state_dict(state, strict=False, assign=True)  # assign: keep the loaded tensors, no copy
+    model.tie_weights()
+    return model
+
+
+def save_model(model: Transformer, path, max_shard_bytes=None):
+    """Write config.json and model.safetensors (or model-0000i-of-0000n.safetensors + index when sharded)."""
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        del state["lm_head.weight"]  # Hugging Face re-ties it from the embedding on load
+    dtype = next(iter(state.values())).dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**model.cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+    shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow this one
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt"}  # transformers checks this tag
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata=meta)
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
