@@ -1,0 +1,163 @@
+"""Tests for rollout.py's TorchEngine: greedy decoding against a naive full-forward loop, log-probs against the
+learner's Transformer.token_logprobs, seeding, ordering, stop/length handling, top-p, and weight updates.
+"""
+import pytest
+import torch
+
+from agent import SamplingParams
+from model import ModelConfig, init_model, load_model, save_model
+from rollout import TorchEngine, sample_tokens
+
+PAD, VOCAB = 0, 64
+PROMPTS = [[5, 9, 3, 7, 11, 2, 8], [4], [13, 6, 6, 1]]  # different lengths, so the batch is left-padded
+
+
+def tiny_model(seed=0):
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = init_model(cfg, seed)
+    with torch.no_grad():  # larger weights than N(0, 0.02): peaked logits, so argmax has no near-ties
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def naive_greedy(model, prompt, max_tokens, stop=()):
+    """Obviously correct: a full forward over the whole sequence for every new token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+            if seq[-1] in stop:
+                break
+    return seq[len(prompt):]
+
+
+def learner_logprobs(model, prompt, gen, temperature):
+    """What the learner will compute for the generated tokens."""
+    with torch.no_grad():
+        logp = model.token_logprobs(torch.tensor([prompt + gen.token_ids]), temperature=temperature)[0]
+    return logp[len(prompt):]
+
+
+@pytest.mark.parametrize("max_batch_size", [256, 2])  # one batch, or chunks of 2 rows
+def test_greedy_equals_naive_loop_and_logprobs_equal_learner(max_batch_size):
+    model = tiny_model()
+    stop = (naive_greedy(model, PROMPTS[0], 12)[3], VOCAB - 1)  # prompt 0 stops early; the others do not
+    engine = TorchEngine(model, PAD, max_batch_size=max_batch_size)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=stop))
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        expected = naive_greedy(model, prompt, 12, stop)
+        assert out.token_ids == expected
+        assert out.finish_reason == ("stop" if expected[-1] in stop else "length")
+        torch.testing.assert_close(torch.tensor(out.logprobs), learner_logprobs(model, prompt, out, 1.0),
+                                   rtol=0, atol=1e-5)
+    assert {o.finish_reason for o in outs} == {"stop", "length"}  # rows finish at different times
+
+
+def test_sampled_logprobs_equal_learner_at_the_same_temperature():
+    """Many stop tokens: rows end at different steps and finished rows leave the batch mid-way."""
+    model = tiny_model()
+    stop = tuple(range(1, VOCAB, 4))
+    params = SamplingParams(n=8, temperature=1.0, top_p=0.9, max_tokens=12, stop_token_ids=stop, seed=3)
+    outs = TorchEngine(model, PAD).generate(PROMPTS, params)
+    assert len({len(o.token_ids) for o in outs}) >= 4
+    for i, out in enumerate(outs):
+        assert all(t not in stop for t in out.token_ids[:-1])
+        assert out.finish_reason == ("stop" if out.token_ids[-1] in stop else "length")
+        torch.testing.assert_close(torch.tensor(out.logprobs), learner_logprobs(model, PROMPTS[i // 8], out, 1.0),
+                                   rtol=0, atol=1e-5)
+    cold = TorchEngine(model, PAD).generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=8, seed=0))
+    for i, out in enumerate(cold):
+        torch.testing.assert_close(torch.tensor(out.logprobs), learner_logprobs(model, PROMPTS[i // 2], out, 0.7),
+                                   rtol=0, atol=1e-5)
+
+
+def test_seeds_and_prompt_major_order():
+    engine = TorchEngine(tiny_model(), PAD)
+    sample = lambda seed: [o.token_ids for o in engine.generate(  # noqa: E731
+        PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=seed))]
+    a, b, c = sample(0), sample(0), sample(1)
+    assert len(a) == 9 and a == b and a != c
+    assert len({tuple(t) for t in a}) > 3  # temperature 1 really samples
+    greedy = engine.generate(PROMPTS, SamplingParams(n=3, temperature=0.0, max_tokens=6))
+    for i, prompt in enumerate(PROMPTS):  # rows 3i, 3i+1, 3i+2 belong to prompt i
+        assert all(g.token_ids == naive_greedy(engine.model, prompt, 6) for g in greedy[3 * i:3 * i + 3])
+    repeated = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=6))
+    assert [g.token_ids for g in repeated] == [greedy[0].token_ids, greedy[3].token_ids, greedy[0].token_ids]
+
+
+def test_stop_token_is_kept_and_max_tokens_gives_length():
+    engine = TorchEngine(tiny_model(), PAD)
+    free = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert len(free.token_ids) == 8 and free.finish_reason == "length"
+    stop = free.token_ids[4]
+    cut = free.token_ids.index(stop) + 1
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == free.token_ids[:cut] and out.token_ids[-1] == stop
+    assert out.finish_reason == "stop" and out.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-6)
+    # a stop token emitted as the very last allowed token is still a stop
+    last = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=cut, stop_token_ids=(stop,)))[0]
+    assert last.finish_reason == "stop"
+    assert engine.generate([PROMPTS[0]], SamplingParams(max_tokens=0))[0].token_ids == []
+
+
+def test_tiny_top_p_is_greedy():
+    engine = TorchEngine(tiny_model(), PAD)
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10))
+    nucleus = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.3, top_p=1e-6, max_tokens=10, seed=0))
+    assert [g.token_ids for g in greedy for _ in range(2)] == [o.token_ids for o in nucleus]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[None].expand(20000, 4)  # probs by hand
+    g = torch.Generator().manual_seed(0)
+    # mass above each token: 0, 0.5, 0.8, 0.95 -> top_p 0.8 keeps tokens {0, 1}, top_p 0.81 keeps {0, 1, 2}
+    tok, logp = sample_tokens(logits, 1.0, 0.8, g)
+    assert set(tok.tolist()) == {0, 1}
+    assert abs((tok == 0).float().mean().item() - 0.5 / 0.8) < 0.02     # renormalised over the kept set
+    torch.testing.assert_close(logp[tok == 1], torch.full_like(logp[tok == 1], 0.3).log())  # before truncation
+    assert set(sample_tokens(logits, 1.0, 0.81, g)[0].tolist()) == {0, 1, 2}
+
+
+def test_update_weights(tmp_path):
+    old, new = tiny_model(0), tiny_model(1)
+    engine = TorchEngine(old, PAD)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    before = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    engine.update_weights({k: v.clone() for k, v in new.state_dict().items()})
+    after = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in after] != before
+    save_model(new, tmp_path)
+    reference = TorchEngine(load_model(tmp_path), PAD).generate(PROMPTS, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in reference]
+    for a, r in zip(after, reference):
+        assert a.logprobs == pytest.approx(r.logprobs, abs=1e-6)
+
+    weights = {k: v.clone() for k, v in old.state_dict().items()}
+    snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(KeyError, match="unknown"):
+        engine.update_weights({**weights, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    with pytest.raises(KeyError, match="missing"):
+        engine.update_weights({k: v for k, v in weights.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({**weights, "model.norm.weight": torch.ones(3)})
+    assert all(torch.equal(v, snapshot[k]) for k, v in engine.model.state_dict().items())  # untouched
+
+
+def test_update_weights_on_a_tied_model_accepts_either_name_set():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    engine = TorchEngine(init_model(cfg, 0), PAD)
+    src = init_model(cfg, 1).state_dict()  # state_dict() lists the tied matrix under both names
+    engine.update_weights(src)
+    engine.update_weights({k: v for k, v in src.items() if k != "lm_head.weight"})
+    assert torch.equal(engine.model.lm_head.weight, src["model.embed_tokens.weight"])
+
+
+def test_generate_restores_training_mode():
+    model = tiny_model().train()
+    TorchEngine(model, PAD).generate(PROMPTS, SamplingParams(max_tokens=2, seed=0))
+    assert model.training
