@@ -49,8 +49,34 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"               # advantage estimator: grpo|drgrpo|rloo (see algos.group_advantages)
+    name: str = "grpo"               # a preset (ALGO_PRESETS below): grpo|drgrpo|rloo|dapo|gspo|sapo|ppo. It sets
+                                     # the defaults of the knobs it names; YAML and command line still win
+    advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages) or gae (critic)
     skip_uniform_batches: bool = True  # no update when no group has mixed rewards (all advantages are 0)
+    dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
+    max_refill_rounds: int = 3       # extra rollout rounds at most per step when dynamic_sampling is on
+    overlong_cache: int = 0          # DAPO soft overlong punishment: tokens before max_total_tokens where the
+                                     # penalty ramps from 0 to -1 (0: off; algos.overlong_penalty)
+    kl_in_reward: bool = False       # subtract learner.kl_coef * KL(policy || ref) from the reward instead of
+                                     # adding it to the loss (needs learner.kl_coef > 0)
+    gamma: float = 1.0               # GAE discount (ppo)
+    lam: float = 1.0                 # GAE lambda (ppo)
+    critic_lr: float = 1e-4          # critic AdamW learning rate (ppo)
+    value_clip: float = 0.2          # clip of the value update around the old values (ppo; algos.value_loss)
+
+
+# What each algorithm changes from the defaults (dotted keys, applied before YAML and overrides).
+ALGO_PRESETS: dict[str, dict] = {
+    "grpo": {},                                                            # DeepSeekMath, 2402.03300
+    "drgrpo": {"algo.advantage": "drgrpo",                                 # Dr.GRPO, 2503.20783: no std, no length norm
+               "learner.loss.agg_mode": "seq-mean-token-sum-norm", "learner.loss.agg_norm": 64.0},
+    "rloo": {"algo.advantage": "rloo"},                                    # RLOO, 2402.14740
+    "dapo": {"learner.policy_loss": "dapo", "algo.dynamic_sampling": True,  # DAPO, 2503.14476
+             "algo.overlong_cache": 64},
+    "gspo": {"learner.policy_loss": "gspo", "learner.loss.agg_mode": "seq-mean-token-mean"},  # GSPO, 2507.18071
+    "sapo": {"learner.policy_loss": "sapo"},                               # SAPO (Qwen)
+    "ppo": {"algo.advantage": "gae"},                                      # PPO with a critic, 1707.06347
+}
 
 
 @dataclass
@@ -64,14 +90,14 @@ class SFTConfig:
     eval_every: int = 50             # check held-out accuracy this often ...
     eval_size: int = 64              # ... on this many held-out tasks, sampled at rollout.temperature
     target_accuracy: float = 0.25    # stop once sampled held-out accuracy reaches this (a minority solved)
-    num_demos: int = 20000           # distinct training demonstrations
-    vocab_size: int = 512            # byte-level BPE vocabulary, special tokens included
+    num_demos: int = 10000           # distinct training demonstrations
+    vocab_size: int = 1024           # byte-level BPE vocabulary at most, special tokens included
     hidden_size: int = 128           # tiny Qwen2 architecture ...
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 352
-    seed: int = 0                    # seed of the tokenizer corpus, the init and the SFT data
+    seed: int | None = None          # seed of the tokenizer corpus, the init and the SFT data (None: the run's seed)
 
 
 @dataclass
@@ -164,18 +190,30 @@ def to_dict(cfg) -> dict:
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML file <- `key.sub=value` overrides (values parsed as YAML: 3e-5, true, [1, 2])."""
-    d = to_dict(Config())
+    """Defaults <- algo preset <- YAML file <- `key.sub=value` overrides (values parsed as YAML: 3e-5, true)."""
+    patches = []
     if path:
         with open(path) as f:
-            _merge(d, yaml.safe_load(f) or {}, "")
+            patches.append(yaml.safe_load(f) or {})
     for o in overrides:
         if "=" not in o:
             raise ValueError(f"override '{o}' must look like key.sub=value")
         k, v = o.split("=", 1)
         patch: dict = {}
         _set_path(patch, k.strip(), yaml.safe_load(v))
-        _merge(d, patch, "")
+        patches.append(patch)
+    name = Config().algo.name                     # the preset is the last algo.name given anywhere
+    for p in patches:
+        name = (p.get("algo") or {}).get("name", name) if isinstance(p.get("algo"), dict) else name
+    if name not in ALGO_PRESETS:
+        close = difflib.get_close_matches(str(name), list(ALGO_PRESETS), n=1, cutoff=0.0)
+        raise ValueError(f"unknown algo.name {name!r}; choose from {list(ALGO_PRESETS)} (did you mean {close[0]!r}?)")
+    preset: dict = {}
+    for k, v in ALGO_PRESETS[name].items():
+        _set_path(preset, k, v)
+    d = to_dict(Config())
+    for p in [preset] + patches:
+        _merge(d, p, "")
     return from_dict(Config, d)
 
 

@@ -1,0 +1,210 @@
+"""sft.py: the embedded default model: our own tokenizer, a tiny Qwen2 model, and its SFT warm start.
+
+No weights can be downloaded on the machines this project is built on, so the default run makes its own
+policy, in four steps, deterministic from `sft.seed`:
+  1. expert demonstrations from the training split of each env in the run (env.demonstration): some call
+     python_eval before finish, some answer directly (`sft.tool_use_prob`);
+  2. a byte-level BPE tokenizer trained with `tokenizers` on those conversations, with Qwen's chat special
+     tokens and one token per digit. Unlike Qwen's, its pre-tokenizer splits only at digits and newlines,
+     so BPE may merge across spaces: the fixed text of the prompt (the tool list alone is ~200 words)
+     becomes a handful of tokens, and a trajectory ~100 tokens instead of ~300. On a 2-core CPU that is
+     the difference between minutes and a quarter of an hour; the chat format itself is unchanged;
+  3. a tiny Qwen2-architecture model (model.init_model);
+  4. supervised fine-tuning on the demonstrations (learner.sft_step: loss on assistant tokens only),
+     stopped from the held-out curve, not after a fixed count: SFT accuracy jumps abruptly and the
+     step at which it does varies by seed, so we check sampled held-out accuracy every `eval_every`
+     steps and stop once it reaches `target_accuracy` (a minority of problems: RL needs groups with
+     mixed rewards, and room to improve).
+The result is a Hugging Face-layout folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with the chat template, generation_config.json) that transformers and vLLM load.
+It is cached under `model.cache_dir` by a hash of everything that determines it.
+
+Shapes: B sequences, T tokens.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from agent import CHAT_TEMPLATES, AgentConfig, SamplingParams, render
+from env import Env
+from eval import evaluate, heldout_tasks
+from learner import LearnerConfig, make_learner, sft_step
+from model import ModelConfig, init_model, save_model
+from rollout import TorchEngine
+
+# Qwen2's special tokens, in Qwen's order, so that ids line up with the family's conventions.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# Pre-tokens: each digit alone (arithmetic is learned digit by digit), each newline alone, and the runs of
+# anything else between them, which BPE is free to merge whole (see the file docstring, step 2).
+PRETOKENIZE = r"\p{N}|\n"
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE over the texts, special tokens first (ids 0..8), never split or merged."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: Tokenizer,
+                          chat_format: str) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a demonstration, cut into spans exactly where the agent loop cuts a
+    rollout: prompt / assistant turn (content + <|im_end|>, mask 1) / observations + next prompt (mask 0).
+    So SFT trains on the very token sequences the policy will later be asked to produce."""
+    full = render(messages, tools, chat_format=chat_format)
+    bounds = []                                                   # (start, end) character span of each assistant turn
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = render(messages[:i], tools, add_generation_prompt=True, chat_format=chat_format)
+        after = render(messages[:i + 1], tools, chat_format=chat_format)
+        if not (full.startswith(before) and full.startswith(after) and after.endswith("<|im_end|>\n")):
+            raise ValueError(f"chat format {chat_format!r} re-renders earlier turns; cannot cut turn {i}")
+        bounds.append((len(before), len(after) - 1))              # the turn ends at <|im_end|>, before "\n"
+    ids, mask, pos = [], [], 0
+    for start, end in bounds:
+        for text, m in ((full[pos:start], 0), (full[start:end], 1)):
+            piece = encode(tokenizer, text)
+            ids += piece
+            mask += [m] * len(piece)
+        pos = end
+    return ids, mask                                              # the trailing "\n" is never seen by the policy
+
+
+# -----------------------------------------------------------------------------
+# the default model, built once and cached
+
+def default_model_dir(cfg, sft) -> str:
+    """Cache folder named by a hash of everything the build depends on (the SFT settings, the envs, the
+    chat format and the sampling settings of the early-stopping evals)."""
+    r = cfg.rollout
+    key = json.dumps({"sft": dataclasses.asdict(sft), "envs": [dataclasses.asdict(e) for e in cfg.envs],
+                      "agent": dataclasses.asdict(r.agent), "sampling": [r.temperature, r.top_p, r.max_tokens],
+                      "version": 1}, sort_keys=True)
+    return "default_model_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def build_default_model(cfg, log=print) -> str:
+    """Return the folder of the embedded default model for this config, building it if it is not cached.
+    `cfg` is config.Config; only cfg.sft, cfg.envs, cfg.rollout and cfg.model.cache_dir are read."""
+    sft, agent_cfg = cfg.sft, cfg.rollout.agent
+    if sft.seed is None:                                          # follow the run's seed
+        sft = dataclasses.replace(sft, seed=cfg.seed)
+    out = os.path.join(cfg.model.cache_dir, default_model_dir(cfg, sft))
+    if os.path.exists(os.path.join(out, "sft_log.json")):
+        return out
+    from env import make_env
+    t0 = time.time()
+    rng = random.Random(sft.seed)
+    torch.manual_seed(sft.seed)
+    envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
+
+    # --- 1. demonstrations, split across envs by their weights
+    total_w = sum(e.weight for e in cfg.envs)
+    demos = []                                                    # (env, messages)
+    for e in cfg.envs:
+        n = max(1, round(sft.num_demos * e.weight / total_w))
+        for task in envs[e.name].sample_tasks("train", n, sft.seed):
+            demos.append((envs[e.name], envs[e.name].demonstration(task, rng, rng.random() < sft.tool_use_prob)))
+    rng.shuffle(demos)
+
+    # --- 2. tokenizer
+    texts = [render(m, env.tools(), chat_format=agent_cfg.chat_format) for env, m in demos[:5000]]
+    tokenizer = train_tokenizer(texts, sft.vocab_size)
+    seqs = [tokenize_conversation(m, env.tools(), tokenizer, agent_cfg.chat_format) for env, m in demos]
+    log(f"[sft] {len(demos)} demonstrations, vocab {tokenizer.get_vocab_size()}, "
+        f"mean length {sum(len(s[0]) for s in seqs) / len(seqs):.0f} tokens")
+
+    # --- 3. tiny Qwen2 model
+    pad_id = tokenizer.token_to_id("<|endoftext|>")
+    mcfg = ModelConfig(model_type="qwen2", vocab_size=tokenizer.get_vocab_size(), hidden_size=sft.hidden_size,
+                       intermediate_size=sft.intermediate_size, num_hidden_layers=sft.num_layers,
+                       num_attention_heads=sft.num_heads, num_key_value_heads=sft.num_kv_heads,
+                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, attention_bias=True, qk_norm=False,
+                       bos_token_id=pad_id, eos_token_id=tokenizer.token_to_id("<|im_end|>"), pad_token_id=pad_id)
+    model = init_model(mcfg, seed=sft.seed)
+    lcfg = LearnerConfig(lr=sft.lr, warmup_steps=20, micro_batch_size=sft.batch_size)
+    state = make_learner(model, lcfg, seed=sft.seed)
+    engine = TorchEngine(model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+    eval_tasks = heldout_tasks(envs, {e.name: max(1, sft.eval_size // len(envs)) for e in cfg.envs}, sft.seed + 1)
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_tokens=cfg.rollout.max_tokens, seed=sft.seed)
+
+    # --- 4. SFT until a minority of held-out problems is solved at the rollout temperature
+    history = []
+    order = list(range(len(seqs)))
+    for step in range(1, sft.max_steps + 1):
+        if (step - 1) * sft.batch_size % len(order) < sft.batch_size:
+            rng.shuffle(order)                                    # a new epoch
+        start = (step - 1) * sft.batch_size % len(order)
+        rows = [seqs[i] for i in order[start:start + sft.batch_size]]
+        T = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)   # (B, T)
+        loss_mask = torch.zeros(len(rows), T)                              # (B, T)
+        for i, (ids, m) in enumerate(rows):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            loss_mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
+        state, metrics = sft_step(state, input_ids, loss_mask, lcfg)
+        if step % sft.eval_every == 0 or step == sft.max_steps:
+            em, _ = evaluate(engine, envs, eval_tasks, tokenizer, agent_cfg, params, seed=sft.seed)
+            history.append({"step": step, "loss": metrics["sft/loss"], "accuracy": em["eval/accuracy"],
+                            "seconds": time.time() - t0})
+            log(f"[sft] step {step} loss {metrics['sft/loss']:.3f} sampled held-out accuracy "
+                f"{em['eval/accuracy']:.3f} ({time.time() - t0:.0f} s)")
+            if em["eval/accuracy"] >= sft.target_accuracy:
+                break
+
+    # --- write the Hugging Face folder (atomically: build in a temp dir, then rename)
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp)
+    write_tokenizer_files(tokenizer, tmp, agent_cfg.chat_format)
+    with open(os.path.join(tmp, "sft_log.json"), "w") as f:
+        json.dump({"history": history, "seconds": time.time() - t0, "num_demos": len(demos)}, f, indent=2)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log(f"[sft] default model written to {out} in {time.time() - t0:.0f} s")
+    return out
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, path: str, chat_format: str) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json, as
+    Qwen2 checkpoints have them, so transformers and vLLM load the folder like any Qwen model."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    added = {str(tokenizer.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                            "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "Qwen2Tokenizer", "added_tokens_decoder": added,
+                   "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "unk_token": None, "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+                   "split_special_tokens": False, "errors": "replace",
+                   "chat_template": CHAT_TEMPLATES[chat_format]}, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
+                   "eos_token_id": [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")],
+                   "pad_token_id": tokenizer.token_to_id("<|endoftext|>"), "do_sample": True,
+                   "temperature": 1.0, "top_p": 1.0}, f, indent=2)

@@ -1,0 +1,275 @@
+"""train.py: RL training of a tool-using LLM agent, top to bottom.
+
+    python train.py --config configs/toy_math.yaml [key.sub=value ...]
+
+config -> build (model, tokenizer, envs, engine, learner) -> loop:
+    sample prompts -> rollouts (n per prompt, multi-turn, tools) -> rewards -> group advantages
+    -> policy update -> push weights to the engine -> eval every k steps -> log -> checkpoint
+
+With `model.path: default` (the default) the embedded tiny model is built first (sft.py: tokenizer, tiny
+Qwen2, SFT warm start) and cached. Everything random is derived from `seed` and the step number, so a
+resumed run repeats exactly what an uninterrupted one would have done.
+
+Outputs in runs/<run_name>/: config.yaml (resolved), metrics.jsonl (one JSON object per step),
+episodes_step<N>.jsonl (held-out episodes), curves.png (reward and held-out accuracy), checkpoints,
+and wandb/ (offline unless WANDB_MODE says otherwise). Shapes: B sequences, T tokens, G group size.
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import yaml
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+import algos
+from agent import SamplingParams, rollout_metrics, run_episodes, to_batch
+from config import Config, load_config, to_dict
+from env import make_env
+from eval import dump_episodes, evaluate, heldout_tasks
+from learner import (Critic, TrainBatch, ValueBatch, compute_logprobs, compute_values, critic_step, load_checkpoint,
+                     make_learner, save_checkpoint, train_step)
+from model import load_model
+from plot import save_curves
+from rollout import TorchEngine
+from sft import build_default_model
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A distinct, reproducible seed for each (run seed, step, purpose)."""
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+
+
+def sample_train_tasks(envs: dict, specs: list, n: int, seed: int) -> list:
+    """n training tasks, split across envs by weight (largest remainders get the leftover prompts)."""
+    total = sum(s.weight for s in specs)
+    quotas = [n * s.weight / total for s in specs]
+    counts = [int(q) for q in quotas]
+    for i in sorted(range(len(specs)), key=lambda i: counts[i] - quotas[i])[: n - sum(counts)]:
+        counts[i] += 1
+    tasks = []
+    for i, (s, c) in enumerate(zip(specs, counts)):
+        if c:
+            tasks += envs[s.name].sample_tasks("train", c, seed + i)
+    return tasks
+
+
+def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
+    """prompts_per_step groups of n_samples episodes -> (trajectories, rounds used).
+
+    With algo.dynamic_sampling (DAPO), groups whose rewards are all equal carry no GRPO signal: they are
+    dropped and more prompts are sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
+    want, G = cfg.rollout.prompts_per_step, cfg.rollout.agent.n_samples
+    kept: list = []
+    rounds = 0
+    for r in range(1 + (cfg.algo.max_refill_rounds if cfg.algo.dynamic_sampling else 0)):
+        rounds += 1
+        tasks = sample_train_tasks(envs, cfg.envs, want, step_seed(cfg.seed, step, 10 * r + 1))
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_tokens=cfg.rollout.max_tokens, seed=step_seed(cfg.seed, step, 10 * r + 2))
+        trajs = run_episodes(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, step_seed(cfg.seed, step, 10 * r + 3))
+        groups = [trajs[i:i + G] for i in range(0, len(trajs), G)]                     # group-major
+        if cfg.algo.dynamic_sampling:
+            kept += [g for g in groups if len({t.reward for t in g}) > 1]
+        else:
+            kept += groups
+        if len(kept) >= want:
+            break
+    if not kept:                                     # nothing informative: keep the last round, skip_uniform decides
+        kept = groups
+    return [t for g in kept[:want] for t in g], rounds
+
+
+class Logger:
+    """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step."""
+
+    def __init__(self, run_dir: str, cfg: Config, resume: bool):
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w")
+        self.wandb = None
+        if cfg.wandb:
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, dir=run_dir,
+                                    config=to_dict(cfg), resume="allow")
+
+    def log(self, step: int, metrics: dict):
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def finish(self):
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def main(cfg: Config) -> dict:
+    # -------------------------------------------------------------------------
+    # setup
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+    # -------------------------------------------------------------------------
+    # model, tokenizer, envs, engine, learner
+    model_dir = build_default_model(cfg) if cfg.model.path == "default" else cfg.model.path
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    pad_id = tokenizer.token_to_id("<|endoftext|>")
+    dtype = getattr(torch, cfg.model.dtype)
+    model = load_model(model_dir, dtype=dtype)
+    ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
+    # with the KL in the reward, the loss must not count it a second time
+    learner_cfg = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
+    if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
+        raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
+    state = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
+    critic_state, critic_cfg = None, replace(cfg.learner, lr=cfg.algo.critic_lr)
+    if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
+        critic_state = make_learner(Critic(model), critic_cfg, seed=cfg.seed + 1)
+    if cfg.resume:
+        state = load_checkpoint(state, cfg.resume)
+        if critic_state is not None:
+            critic_state = load_checkpoint(critic_state, os.path.join(cfg.resume, "critic"))
+    # The engine keeps its own copy of the weights, refreshed after every update through update_weights:
+    # the same push a vLLM or remote engine needs, so the loop does not depend on sharing memory.
+    engine = TorchEngine(copy.deepcopy(model).eval(), pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+    envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
+    eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
+    agent_cfg = cfg.rollout.agent
+    G = agent_cfg.n_samples
+
+    def run_eval(step: int) -> dict:
+        params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
+                                max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
+        t0 = time.time()
+        m, trajs = evaluate(engine, envs, eval_tasks, tokenizer, agent_cfg, params, cfg.eval_seed)
+        dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
+        return {**m, "perf/eval_seconds": time.time() - t0}
+
+    def checkpoint(name: str):
+        path = os.path.join(run_dir, name)
+        save_checkpoint(state, path, extra={"run_name": cfg.run_name})
+        if critic_state is not None:
+            save_checkpoint(critic_state, os.path.join(path, "critic"))
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(os.path.join(model_dir, f), path)
+
+    logger = Logger(run_dir, cfg, resume=bool(cfg.resume))
+    history = []                                   # (step, metrics) of this process, for the plot
+    start = state.step if cfg.resume else 0
+    if start == 0:
+        m = run_eval(0)
+        logger.log(0, m)
+        history.append((0, m))
+        print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}")
+
+    # -------------------------------------------------------------------------
+    # the RL loop
+    bar = tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # --- rollouts: n samples per prompt, multi-turn with tools, token-exact trajectories
+        trajs, rounds = collect_rollouts(cfg, engine, envs, tokenizer, step)
+        batch = to_batch(trajs, pad_id)
+        metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds}
+        t_rollout = time.time() - t0
+
+        # --- rewards -> advantages (algorithm code: see algos.py for the equations)
+        t1 = time.time()
+        rewards = batch.rewards.clone()                                                # (B,)
+        if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
+            rewards += algos.overlong_penalty(batch.lengths, agent_cfg.max_total_tokens, cfg.algo.overlong_cache)
+        token_kl = None
+        if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
+            ref = compute_logprobs(state.ref_model, batch.input_ids, cfg.learner.micro_batch_size,
+                                   cfg.learner.temperature, cfg.learner.logprob_chunk_size)
+            old = compute_logprobs(state.model, batch.input_ids, cfg.learner.micro_batch_size,
+                                   cfg.learner.temperature, cfg.learner.logprob_chunk_size)
+            token_kl = algos.kl_penalty(old, ref, cfg.learner.kl_kind) * batch.loss_mask  # (B, T)
+            metrics["train/reward_kl"] = float(token_kl.sum(1).mean())
+        if cfg.algo.advantage == "gae":
+            token_rewards = torch.zeros_like(batch.loss_mask)                          # (B, T)
+            last = (batch.loss_mask * torch.arange(batch.loss_mask.shape[1])).argmax(1)  # last generated token
+            token_rewards[torch.arange(len(rewards)), last] = rewards                  # reward on the last token
+            if token_kl is not None:
+                token_rewards -= cfg.learner.kl_coef * token_kl
+            old_values = compute_values(critic_state.model, batch.input_ids, cfg.learner.micro_batch_size)
+            adv_tok, returns = algos.compute_gae(token_rewards, old_values, batch.loss_mask,
+                                                 cfg.algo.gamma, cfg.algo.lam)         # (B, T), (B, T)
+            adv_tok = algos.whiten(adv_tok, batch.loss_mask)
+            mixed = True
+        else:
+            if token_kl is not None:
+                rewards -= cfg.learner.kl_coef * token_kl.sum(1)
+            adv = algos.group_advantages(rewards, G, cfg.algo.advantage)               # (B,)
+            adv_tok = adv[:, None] * batch.loss_mask                                   # (B, T)
+            mixed = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+
+        # --- update, then push the new weights to the engine
+        if mixed or not cfg.algo.skip_uniform_batches:
+            state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok), learner_cfg)
+            metrics.update(m)
+            if cfg.algo.advantage == "gae":
+                critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,
+                                                                       returns), critic_cfg, cfg.algo.value_clip)
+                metrics.update(m)
+            engine.update_weights(state.model.state_dict())
+        metrics["train/skipped_uniform"] = float(not mixed and cfg.algo.skip_uniform_batches)
+        t_train = time.time() - t1
+        metrics.update({"perf/rollout_seconds": t_rollout, "perf/train_seconds": t_train,
+                        "perf/step_seconds": time.time() - t0,
+                        "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),
+                        "perf/train_tokens_per_s": int(batch.lengths.sum()) / max(t_train, 1e-9),
+                        "perf/elapsed_minutes": (time.time() - t_start) / 60})
+
+        # --- eval, log, checkpoint
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            metrics.update(run_eval(step))
+        logger.log(step, metrics)
+        history.append((step, metrics))
+        bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
+                        acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            checkpoint(f"checkpoints/step_{step}")
+
+    # -------------------------------------------------------------------------
+    # the end: final checkpoint, curves, summary
+    checkpoint("final")
+    save_curves(history, os.path.join(run_dir, "curves.png"))
+    logger.finish()
+    evals = [(s, m["eval/accuracy"]) for s, m in history if "eval/accuracy" in m]
+    summary = {"run_dir": run_dir, "minutes": (time.time() - t_start) / 60, "eval_curve": evals,
+               "final_accuracy": evals[-1][1] if evals else None}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"done in {summary['minutes']:.1f} min; held-out accuracy by step: "
+          + ", ".join(f"{s}: {a:.3f}" for s, a in evals))
+    return summary
+
+
+def cli(argv=None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML file with what differs from config.py's defaults")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. learner.lr=3e-5")
+    args = p.parse_args(argv)
+    try:
+        return load_config(args.config, args.overrides)
+    except (KeyError, TypeError, ValueError) as e:
+        sys.exit(f"config error: {e.args[0] if e.args else e}")
+
+
+if __name__ == "__main__":
+    main(cli())
