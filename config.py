@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from agent import AgentConfig
+import algos
+from agent import CHAT_FORMATS, AgentConfig
 from learner import LearnerConfig
 
 
@@ -214,7 +215,33 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     d = to_dict(Config())
     for p in [preset] + patches:
         _merge(d, p, "")
-    return from_dict(Config, d)
+    return validate(from_dict(Config, d))
+
+
+def validate(cfg: Config) -> Config:
+    """Choices that are strings are checked here, before anything is built, not at their first use."""
+    choices = [
+        ("algo.advantage", cfg.algo.advantage, algos.GROUP_ADVANTAGE_KINDS + ("gae",)),
+        ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
+        ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
+        ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
+        ("rollout.engine", cfg.rollout.engine, ("torch",)),
+        ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
+        ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
+    ]
+    for key, value, allowed in choices:
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.0)
+            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}; did you mean {close[0]!r}?")
+    if cfg.learner.loss.agg_mode == "seq-mean-token-sum-norm" and not cfg.learner.loss.agg_norm:
+        raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm needs learner.loss.agg_norm (a constant)")
+    if cfg.algo.advantage != "gae" and cfg.rollout.agent.n_samples < 2:
+        raise ValueError("group advantages need rollout.agent.n_samples >= 2")
+    if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
+        raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
+    if not cfg.envs:
+        raise ValueError("envs is empty: name at least one environment")
+    return cfg
 
 
 def _set_path(d: dict, dotted: str, value):

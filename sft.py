@@ -106,7 +106,7 @@ def default_model_dir(cfg, sft) -> str:
     return "default_model_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
-def build_default_model(cfg, log=print) -> str:
+def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     """Return the folder of the embedded default model for this config, building it if it is not cached.
     `cfg` is config.Config; only cfg.sft, cfg.envs, cfg.rollout and cfg.model.cache_dir are read."""
     sft, agent_cfg = cfg.sft, cfg.rollout.agent

@@ -133,8 +133,6 @@ def main(cfg: Config) -> dict:
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
     # with the KL in the reward, the loss must not count it a second time
     learner_cfg = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
-    if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
-        raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
     state = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
     critic_state, critic_cfg = None, replace(cfg.learner, lr=cfg.algo.critic_lr)
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
@@ -174,7 +172,7 @@ def main(cfg: Config) -> dict:
         m = run_eval(0)
         logger.log(0, m)
         history.append((0, m))
-        print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}")
+        print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
 
     # -------------------------------------------------------------------------
     # the RL loop
@@ -192,13 +190,14 @@ def main(cfg: Config) -> dict:
         rewards = batch.rewards.clone()                                                # (B,)
         if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
             rewards += algos.overlong_penalty(batch.lengths, agent_cfg.max_total_tokens, cfg.algo.overlong_cache)
-        token_kl = None
+        token_kl, old = None, None
         if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
-            ref = compute_logprobs(state.ref_model, batch.input_ids, cfg.learner.micro_batch_size,
-                                   cfg.learner.temperature, cfg.learner.logprob_chunk_size)
-            old = compute_logprobs(state.model, batch.input_ids, cfg.learner.micro_batch_size,
-                                   cfg.learner.temperature, cfg.learner.logprob_chunk_size)
-            token_kl = algos.kl_penalty(old, ref, cfg.learner.kl_kind) * batch.loss_mask  # (B, T)
+            lc = cfg.learner
+            ref = compute_logprobs(state.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                                   lc.logprob_chunk_size, batch.loss_mask)             # (B, T)
+            old = compute_logprobs(state.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                                   lc.logprob_chunk_size, batch.loss_mask)             # (B, T) reused by the update
+            token_kl = algos.kl_penalty(old, ref, lc.kl_kind) * batch.loss_mask       # (B, T)
             metrics["train/reward_kl"] = float(token_kl.sum(1).mean())
         if cfg.algo.advantage == "gae":
             token_rewards = torch.zeros_like(batch.loss_mask)                          # (B, T)
@@ -220,7 +219,7 @@ def main(cfg: Config) -> dict:
 
         # --- update, then push the new weights to the engine
         if mixed or not cfg.algo.skip_uniform_batches:
-            state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok), learner_cfg)
+            state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok, old), learner_cfg)
             metrics.update(m)
             if cfg.algo.advantage == "gae":
                 critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,

@@ -44,3 +44,19 @@ def test_env_list(tmp_path):
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
 def test_shipped_configs_load(path):
     load_config(path)
+
+
+def test_choices_are_checked_at_load():
+    with pytest.raises(ValueError, match="did you mean 'dapo'"):
+        load_config(None, ["learner.policy_loss=dapoo"])
+    with pytest.raises(ValueError, match="algo.name"):
+        load_config(None, ["algo.name=grpoo"])
+    with pytest.raises(ValueError, match="n_samples"):
+        load_config(None, ["rollout.agent.n_samples=1"])
+
+
+def test_algo_presets_set_defaults_that_explicit_keys_override():
+    cfg = load_config(None, ["algo.name=drgrpo"])
+    assert cfg.algo.advantage == "drgrpo" and cfg.learner.loss.agg_mode == "seq-mean-token-sum-norm"
+    cfg = load_config(None, ["algo.name=gspo", "learner.loss.agg_mode=token-mean"])
+    assert cfg.learner.policy_loss == "gspo" and cfg.learner.loss.agg_mode == "token-mean"
