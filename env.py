@@ -1,4 +1,4 @@
-"""env.py: environments for tool-using LLM agents: tasks, tools, the python_eval sandbox, rewards.
+"""env.py: environments for tool-using LLM agents: tasks, tools, two Python sandboxes, rewards.
 
 An environment is a small state machine in the functional style of gym / purejaxrl:
 
@@ -14,10 +14,13 @@ Env object serves any number of episodes at once. The agent loop, not the env, e
 Contents, top to bottom:
   1. Types that cross the file boundary: ToolCall, Action, Task, EnvState.
   2. The python_eval sandbox: a static AST check plus one persistent, resource-limited worker process.
-  3. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval, finish.
-  4. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
-  5. `Env`, the base class (tool dispatch and the generic step), `ENVS`, `@register_env`, `make_env`.
-  6. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
+  3. The python_exec sandbox (`run_python`, `execute_python`): a whole program in a fresh process per
+     call, resource-limited, as an unprivileged user, behind an AST check and an audit hook.
+  4. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
+     python_exec, finish.
+  5. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
+  6. `Env`, the base class (tool dispatch and the generic step), `ENVS`, `@register_env`, `make_env`.
+  7. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 
 POSIX only (the sandbox uses process groups and resource limits).
@@ -32,9 +35,11 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -310,7 +315,335 @@ SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool; star
 
 
 # ----------------------------------------------------------------------------------------------------
-# 3. Tools
+# 3. The python_exec sandbox: a whole program, in a fresh isolated process per call
+#
+# python_eval (above) is a calculator in one long-lived worker: fast, and limited to expressions over
+# math. python_exec runs a whole program (imports, loops, files) and treats it as hostile. Each call
+# gets a new interpreter that inherits nothing and leaves nothing behind. Layers, outermost first; the
+# tests (tests/test_sandbox.py) check each threat against the whole stack and the process layer alone:
+#   1. The process. `python -I -S` (no PYTHON* variables, no site-packages) with an empty environment,
+#      in a fresh temporary directory deleted afterwards, in its own process group, which the parent
+#      kills whole at the wall-clock deadline. Before it reads the program it sets hard limits (CPU
+#      seconds, address space, file size, open files, zero new processes, no core file) and, when we
+#      run as root, drops to nobody:nogroup: a limit on the number of processes does not bind root.
+#      It drops after the interpreter has started (and not in Popen's preexec_fn, which may deadlock
+#      in a threaded parent) but before a byte of the program is read: the same guarantee.
+#   2. The interpreter. Only ALLOWED_MODULES can be imported. They are loaded before the program is
+#      read, and the program gets a copy of their public names without module objects (so no
+#      `fractions.sys`) and without getattr-by-string helpers (operator.attrgetter). Builtins are a
+#      short list: no eval, exec, compile, getattr, type, input, breakpoint, __import__ of our own.
+#      Then an audit hook (PEP 578, sys.addaudithook) refuses every runtime event but one exec (the
+#      program's) and open() of a relative path inside the working directory: any import, os.*,
+#      socket.*, subprocess.*, ctypes, gi_frame / tb_frame / sys._getframe raise PermissionError.
+#   3. The program text. An AST check refuses imports outside ALLOWED_MODULES, names starting with
+#      "__", attributes starting with "_" or naming frames and code (gi_frame, f_globals, ...), and
+#      class definitions, before a process is started (and once more inside it).
+# Errors, refusals and timeouts come back as short "Error: ..." text, never as exceptions.
+# What it does NOT promise: it is not a security boundary against a determined attacker. There is no
+# seccomp filter, no network namespace, no chroot. An escape from layers 2-3 (a CPython bug, an
+# audit-hook gap in some C code) leaves only layer 1: nobody's rights, which still include reading
+# world-readable files and opening sockets. Put the trainer in a container or VM when that matters.
+
+ALLOWED_MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools", "operator",
+                   "collections", "heapq", "bisect", "random", "re", "json")
+_HIDDEN_MEMBERS = ("attrgetter", "methodcaller")  # operator's getattr-by-string: a way around the AST check
+EXEC_BUILTINS = SAFE_BUILTINS + (
+    "isinstance", "reversed", "map", "filter", "chr", "ord", "hex", "bin", "oct", "format", "repr", "iter", "next",
+    "slice", "frozenset", "complex", "hash", "callable", "open",
+    "Exception", "ArithmeticError", "AssertionError", "AttributeError", "FileNotFoundError", "ImportError",
+    "IndexError", "KeyError", "LookupError", "MemoryError", "NameError", "NotImplementedError", "OSError",
+    "OverflowError", "PermissionError", "RecursionError", "RuntimeError", "StopIteration", "TypeError",
+    "ValueError", "ZeroDivisionError")
+_FRAME_ATTR_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_")  # generator/coroutine/frame/traceback/code
+MAX_OPENS = 64  # open() calls per program
+NOBODY = 65534  # uid and gid of nobody / nogroup on Debian, Ubuntu, Alpine and RHEL
+
+
+@dataclass(frozen=True)
+class ExecLimits:
+    """Resource limits of one python_exec run (the wall-clock timeout is an argument of execute_python)."""
+    memory_bytes: int = 512 << 20  # RLIMIT_AS: address space; past it, allocations raise MemoryError
+    file_bytes: int = 1 << 20      # RLIMIT_FSIZE: largest file the program may write (in its directory)
+    open_files: int = 16           # RLIMIT_NOFILE: file descriptors, stdin/stdout/stderr included
+    max_chars: int = 2000          # printed output kept; the rest is cut, with a visible marker
+    max_code_chars: int = 20000    # longer programs are refused before parsing
+
+
+def check_program(code: str, max_code_chars: int = 20000) -> str | None:
+    """Why python_exec refuses `code` (a syntax error or a policy violation), or None when it may run.
+
+    Policy: imports only of ALLOWED_MODULES (no submodules, no relative imports, no private names); no
+    name starting with "__"; no attribute starting with "_" or naming a frame, generator or code
+    internal; no class definitions. Sent to the child too (EXEC_CHILD_SRC): only `ast` and constants.
+    """
+    if len(code) > max_code_chars:
+        return f"program longer than {max_code_chars} characters"
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        return f"SyntaxError: {e.msg} (line {e.lineno})"
+    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
+        return f"cannot parse: {type(e).__name__}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name not in ALLOWED_MODULES:
+                    return f"import {alias.name} is not allowed; allowed: {', '.join(ALLOWED_MODULES)}"
+        if isinstance(node, ast.ImportFrom):
+            if node.level or node.module not in ALLOWED_MODULES:
+                return f"import from {node.module} is not allowed; allowed: {', '.join(ALLOWED_MODULES)}"
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    return f"importing the private name {alias.name} is not allowed"
+        if isinstance(node, ast.Name) and node.id.startswith("__"):
+            return f"the name {node.id} is not allowed"
+        if isinstance(node, ast.Attribute) and (node.attr.startswith("_") or node.attr.startswith(_FRAME_ATTR_PREFIXES)):
+            return f"attribute access .{node.attr} is not allowed"
+        if isinstance(node, ast.ClassDef):
+            return "class definitions are not allowed"
+    return None
+
+
+def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, str | None]:
+    """Child side: check `code`, build its namespace, install the audit hook, run -> (text, error kind).
+
+    REPL-like: the text is what the program printed, then repr() of the last statement's value when it
+    is an expression (and not None); an error is appended as "Error: Type: message". The audit hook
+    stays installed for good: the caller must only write the reply and os._exit() afterwards.
+    """
+    import builtins
+    import os
+    import sys
+    import types
+    refusal = check_program(code, max_code_chars)
+    if refusal is not None:
+        return "Error: " + refusal, "refused"
+    tree = ast.parse(code)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):  # keep the last value: `x = 1\nx + 1` shows 2
+        last = tree.body[-1]
+        tree.body[-1] = ast.copy_location(ast.Assign([ast.Name("__result__", ast.Store())], last.value), last)
+        ast.fix_missing_locations(tree)
+    program = compile(tree, "<program>", "exec")  # before the hook: compiling raises an audit event
+
+    modules = {}  # name -> a new module holding only the public names of the real one (no modules in it)
+    for name in ALLOWED_MODULES:
+        modules[name] = types.ModuleType(name)
+        modules[name].__dict__.update({k: v for k, v in vars(sys.modules[name]).items() if not k.startswith("_")
+                                       and not isinstance(v, types.ModuleType) and k not in _HIDDEN_MEMBERS})
+
+    def import_allowed(name, globals=None, locals=None, fromlist=(), level=0):
+        if level or name not in modules:
+            raise ImportError(f"import of {name!r} is not allowed")
+        return modules[name]
+
+    safe = {n: getattr(builtins, n) for n in EXEC_BUILTINS}
+    namespace = {"__builtins__": {**safe, "__import__": import_allowed}, "__name__": "__main__"}
+
+    class Printed:
+        """sys.stdout for the program: keeps the first max_chars characters, counts the rest."""
+        def __init__(self):
+            self.parts, self.kept, self.total = [], 0, 0
+
+        def write(self, s):
+            if not isinstance(s, str):
+                raise TypeError("write() argument must be str")
+            self.total += len(s)
+            if self.kept < max_chars:
+                self.parts.append(s[:max_chars - self.kept])
+                self.kept += len(self.parts[-1])
+            return len(s)
+
+        def flush(self):
+            pass
+
+    def inside_workdir(path) -> bool:
+        if not isinstance(path, str) or "\0" in path:  # an int is an inherited fd (stdout...), refuse it
+            return False
+        path = os.path.normpath(path)  # pure string work: symlinks cannot be made (os is unreachable)
+        return not os.path.isabs(path) and path != ".." and not path.startswith("../")
+
+    seen = {"exec": 0, "open": 0}
+
+    def audit(event, args):
+        if event == "exec" and seen["exec"] == 0:  # our own exec(program) below, once
+            seen["exec"] += 1
+            return
+        if event == "open":
+            if inside_workdir(args[0]) and seen["open"] < MAX_OPENS:
+                seen["open"] += 1  # a budget, so that 2 s of open() cannot fill the disk with 1 MiB files
+                return
+            raise PermissionError(f"open({str(args[0])[:60]!r}) is not allowed in the sandbox: only relative "
+                                  f"paths inside the working directory, {MAX_OPENS} opens at most")
+        raise PermissionError(f"{event} is not allowed in the sandbox")
+
+    printed = Printed()
+    sys.stdout = sys.stderr = printed
+    sys.addaudithook(audit)
+    kind, error = None, ""
+    try:
+        exec(program, namespace)
+        value = namespace.get("__result__")
+        if value is not None:
+            printed.write(repr(value))
+    except BaseException as e:  # MemoryError, RecursionError, SystemExit, PermissionError from the hook ...
+        try:
+            message = str(e)
+        except Exception:
+            message = ""
+        kind, error = "error", f"Error: {type(e).__name__}" + (f": {message}" if message else "")
+    text = "".join(printed.parts).rstrip("\n")
+    if printed.total > max_chars:
+        text += f"... [truncated, {printed.total} chars in all]"
+    text = "\n".join(t for t in (text, error[:max_chars]) if t)
+    return text or "(no output)", kind
+
+
+def _exec_child_main(limits: dict, policy: bool = True) -> None:
+    """Child side, the whole life of a python_exec process: limits, imports, drop root, run, reply, exit.
+
+    `limits`: {"cpu_seconds", "memory_bytes", "file_bytes", "open_files", "max_chars", "max_code_chars"}.
+    `policy` False skips layers 2-3 (the AST check, the namespace, the audit hook): only tests use it, to
+    show what the process layer holds by itself. Replies one JSON line {"text", "kind"} on stdout.
+    """
+    import json
+    import os
+    import resource
+    import signal
+    import sys
+
+    def cap(which, value):  # soft = hard: the program cannot raise it again
+        _, hard = resource.getrlimit(which)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, value))
+
+    cap(resource.RLIMIT_CPU, limits["cpu_seconds"])
+    cap(resource.RLIMIT_AS, limits["memory_bytes"])
+    cap(resource.RLIMIT_FSIZE, limits["file_bytes"])
+    cap(resource.RLIMIT_NOFILE, limits["open_files"])
+    cap(resource.RLIMIT_NPROC, 0)  # no fork, no threads (binds only a non-root user: see below)
+    cap(resource.RLIMIT_CORE, 0)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write raises OSError instead of killing us
+    for name in ALLOWED_MODULES:  # import now: after the drop below, our Python install may be unreadable
+        __import__(name)
+    with open("program.py", "rb") as f:  # written by the parent; read as data, not run yet
+        code = f.read().decode("utf-8", "surrogatepass")
+    os.remove("program.py")
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)  # as root this sets the real, effective and saved uid: there is no way back
+        if 0 in (os.getuid(), os.geteuid(), os.getgid(), os.getegid()):
+            os._exit(3)
+    if policy:
+        text, kind = _exec_program(code, limits["max_chars"], limits["max_code_chars"])
+    else:
+        import contextlib
+        import io
+        out = io.StringIO()
+        kind = None
+        with contextlib.redirect_stdout(out):
+            try:
+                exec(code, {"__name__": "__main__"})
+            except BaseException as e:
+                kind, out = "error", io.StringIO(out.getvalue() + f"Error: {type(e).__name__}: {e}")
+        text = out.getvalue()[:limits["max_chars"]].rstrip("\n") or "(no output)"
+    os.write(1, (json.dumps({"text": text, "kind": kind}) + "\n").encode())
+    os._exit(0)  # no interpreter shutdown: no finalizer of the program's objects runs after the reply
+
+
+# The child program: the functions above, sent as source, so it is the same code the tests read.
+EXEC_CHILD_SRC = "\n".join([
+    "import ast",
+    f"ALLOWED_MODULES = {ALLOWED_MODULES!r}",
+    f"_HIDDEN_MEMBERS = {_HIDDEN_MEMBERS!r}",
+    f"EXEC_BUILTINS = {EXEC_BUILTINS!r}",
+    f"_FRAME_ATTR_PREFIXES = {_FRAME_ATTR_PREFIXES!r}",
+    f"MAX_OPENS = {MAX_OPENS!r}",
+    f"NOBODY = {NOBODY!r}",
+    inspect.getsource(check_program),
+    inspect.getsource(_exec_program),
+    inspect.getsource(_exec_child_main),
+])
+
+
+def execute_python(code: str, timeout_s: float = 2.0, limits: ExecLimits = ExecLimits(),
+                   _policy: bool = True) -> tuple[str, str | None]:
+    """Run a program in a fresh sandboxed process -> (text, error kind): kind is None, "refused",
+    "error" or "timeout". Thread-safe (nothing is shared between calls) and never raises for a bad program.
+
+    `_policy=False` turns off layers 2-3 (tests only: it shows what the process layer holds alone).
+    """
+    if _policy:
+        refusal = check_program(code, limits.max_code_chars)  # refuse early, without a process
+        if refusal is not None:
+            return "Error: " + refusal, "refused"
+    child_limits = {"cpu_seconds": math.ceil(timeout_s) + 1, "memory_bytes": limits.memory_bytes,
+                    "file_bytes": limits.file_bytes, "open_files": limits.open_files,
+                    "max_chars": limits.max_chars, "max_code_chars": limits.max_code_chars}
+    src = EXEC_CHILD_SRC + f"\n_exec_child_main({child_limits!r}, policy={_policy!r})\n"
+    workdir = tempfile.mkdtemp(prefix="nano-skyrl-py-")
+    proc = None
+    try:
+        with open(os.path.join(workdir, "program.py"), "wb") as f:
+            f.write(code.encode("utf-8", "surrogatepass"))
+        if os.geteuid() == 0:
+            os.chown(workdir, NOBODY, NOBODY)  # the child drops to nobody and must write its directory
+        deadline = time.monotonic() + timeout_s
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", src], cwd=workdir, env={},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        out, timed_out = _read_capped(proc, deadline, cap=4 * limits.max_chars + 4096)
+        if timed_out:
+            return f"Error: timed out after {timeout_s:g} s", "timeout"
+        try:
+            reply = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
+            return reply["text"].encode("utf-8", "replace").decode("utf-8"), reply["kind"]
+        except (ValueError, IndexError, KeyError, TypeError):  # no reply: the process died first
+            status = proc.wait()
+            if status == -signal.SIGXCPU:
+                return "Error: CPU time limit exceeded", "timeout"
+            if status < 0:
+                try:
+                    name = signal.Signals(-status).name
+                except ValueError:
+                    name = f"signal {-status}"
+                return f"Error: the program was killed by {name}", "error"
+            return f"Error: the program exited with status {status} without a result", "error"
+    except OSError as e:  # no process could be started (out of processes, memory, disk)
+        return f"Error: the sandbox could not start: {type(e).__name__}: {e}", "error"
+    finally:
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group; pgid == pid (start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()  # until this wait the pid stays a zombie, so the killpg above hits no one else
+            proc.stdout.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bool]:
+    """Read proc's stdout until it closes -> (at most `cap` bytes, whether the deadline passed first)."""
+    fd, chunks, size = proc.stdout.fileno(), [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return b"".join(chunks), True
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks), False
+        if size < cap:
+            chunks.append(chunk[:cap - size])
+            size += len(chunks[-1])
+
+
+def run_python(code: str, timeout_s: float = 2.0) -> str:
+    """Run a program in the python_exec sandbox and return the text it produced (see execute_python)."""
+    return execute_python(code, timeout_s)[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Tools
 
 @dataclass(frozen=True)
 class Tool:
@@ -352,6 +685,14 @@ def python_eval(env, state, code):
     return state, text, kind
 
 
+@tool("python_exec", "Run a Python program in a fresh sandbox.",
+      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]})
+def python_exec(env, state, code):
+    """Run `code` as a whole program in its own sandboxed process (execute_python); the state is unchanged."""
+    text, kind = execute_python(code, timeout_s=env.tool_timeout)
+    return state, text, kind
+
+
 @tool("finish", "Submit the final answer.",
       {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
 def finish(env, state, answer):
@@ -385,7 +726,7 @@ def validate_arguments(parameters: dict, arguments) -> tuple[dict | None, str | 
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4. Answers
+# 5. Answers
 
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,4})?")    # exponent capped: 1e999999999 would hang
 _NUMBER_IN_TEXT = re.compile(r"(?<![\d.])-?\d[\d,]*(?:\.\d+)?")            # "1,234" is one number, "10-3" ends in 3
@@ -421,7 +762,7 @@ def extract_answer(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5. The Env base class and the registry
+# 6. The Env base class and the registry
 
 class Env:
     """Base class. A subclass sets `tool_names` and implements system_prompt, sample_tasks, score and
@@ -429,7 +770,7 @@ class Env:
     reply to a simulated user). reset, step and run_tool are shared, so the agent loop never changes."""
     name: str = "base"                 # set by @register_env
     tool_names: tuple[str, ...] = ()   # the TOOLS this env offers, in prompt order
-    tool_timeout: float = 2.0          # seconds per python_eval call
+    tool_timeout: float = 2.0          # seconds per python_eval / python_exec call
 
     def tools(self) -> list[dict]:
         return [TOOLS[n].schema() for n in self.tool_names]
@@ -537,7 +878,7 @@ def make_env(name: str, **kwargs) -> Env:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 6. Toy math
+# 7. Toy math
 
 TEST_PERCENT = 10  # share of the problem space (by hash of the prompt) that is held out; fixed, so that
                    # a test problem is a test problem under every config and seed

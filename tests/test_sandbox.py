@@ -1,0 +1,363 @@
+"""Tests for the python_exec sandbox (env.execute_python / env.run_python): one test per threat class.
+
+Each test proves the effect did not happen, from outside the sandbox: a canary environment variable and
+a canary file whose secret must not appear in the output, marker files that must not exist, sockets
+that must not be connected to, a wall-clock bound. Where the process layer alone is claimed to hold,
+the same attack is repeated with `_policy=False` (no AST check, real builtins, no audit hook).
+The benign programs at the end are what a math/tool agent needs; they must keep working.
+Every call starts a fresh interpreter (~50 ms); the slowest tests wait for a 1 s timeout.
+"""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+import env
+from env import ExecLimits, Task, ToolCall, ToyMathEnv, Action, check_program, execute_python, run_python
+
+SECRET = "canary-7f3a9c"  # must never come out of the sandbox
+AS_ROOT = os.geteuid() == 0
+root_only = pytest.mark.skipif(not AS_ROOT, reason="the drop to nobody happens only when we run as root")
+
+
+@pytest.fixture
+def canary_env(monkeypatch):
+    monkeypatch.setenv("NANO_SKYRL_CANARY", SECRET)
+
+
+@pytest.fixture
+def canary_file(tmp_path):
+    path = tmp_path / "secret.txt"
+    path.write_text(SECRET)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def open_dir(tmp_path):
+    """A directory anyone may write to: if a marker appears in it, no file permission stopped it."""
+    path = tmp_path / "open"
+    path.mkdir()
+    path.chmod(0o777)
+    tmp_path.chmod(0o755)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parent's environment
+
+def test_environment_is_not_inherited(canary_env):
+    for code in ["import os\nos.environ", "open('/proc/self/environ').read()", "open('/proc/1/environ').read()",
+                 "open('../../../../proc/self/environ').read()"]:
+        text, kind = execute_python(code)
+        assert kind in ("refused", "error") and SECRET not in text and "NANO_SKYRL" not in text, (code, text)
+
+
+def test_environment_is_empty_even_without_the_policy_layers(canary_env):
+    code = ("import os\nprint(dict(os.environ))\ntry:\n    print(open('/proc/self/environ').read())\n"
+            "except OSError as e:\n    print(e)")
+    text, kind = execute_python(code, _policy=False)
+    assert kind is None and SECRET not in text and "NANO_SKYRL" not in text
+    # Python itself may add LC_CTYPE (PEP 538 locale coercion); nothing of ours is there
+    assert set(json.loads(text.splitlines()[0].replace("'", '"'))) <= {"LC_CTYPE"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parent's files
+
+def test_cannot_read_parent_files(canary_file):
+    for code in [f"open({str(canary_file)!r}).read()", f"print(open({str(canary_file)!r}).read())",
+                 "open('../" + "../" * 10 + str(canary_file).lstrip("/") + "').read()"]:
+        text, kind = execute_python(code)
+        assert kind == "error" and "PermissionError" in text and SECRET not in text, text
+
+
+@root_only
+def test_cannot_read_parent_files_even_without_the_policy_layers(canary_file):
+    text, kind = execute_python(f"print(open({str(canary_file)!r}).read())", _policy=False)
+    assert kind == "error" and "Permission denied" in text and SECRET not in text
+
+
+@root_only
+def test_runs_as_nobody():
+    text, kind = execute_python("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())",
+                                _policy=False)
+    assert (text, kind) == ("65534 65534 65534 []", None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing outside the working directory
+
+def test_cannot_write_outside_its_directory(open_dir):
+    marker = open_dir / "marker"
+    for code in [f"open({str(marker)!r}, 'w').write('x')", f"open({str(marker)!r}, 'a')",
+                 "open('../" + "../" * 10 + str(marker).lstrip("/") + "', 'w')", "open('/dev/shm/nano-marker', 'w')",
+                 "open(1, 'w').write('forged reply')"]:
+        text, kind = execute_python(code)
+        assert kind == "error" and "PermissionError" in text, (code, text)
+    assert not marker.exists() and not os.path.exists("/dev/shm/nano-marker")
+
+
+@root_only
+def test_cannot_write_outside_its_directory_even_without_the_policy_layers(tmp_path):
+    marker = tmp_path / "marker"  # tmp_path belongs to root, 0700
+    text, kind = execute_python(f"open({str(marker)!r}, 'w')", _policy=False)
+    assert kind == "error" and "Permission denied" in text and not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Network
+
+def test_cannot_open_sockets():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.3)
+    port = server.getsockname()[1]
+    try:
+        for code in [f"import socket\nsocket.create_connection(('127.0.0.1', {port}))",
+                     f"from socket import create_connection\ncreate_connection(('127.0.0.1', {port}))",
+                     "import urllib.request", "import http.client"]:
+            text, kind = execute_python(code)
+            assert kind == "refused" and "not allowed" in text, text
+        with pytest.raises(socket.timeout):
+            server.accept()  # nobody knocked
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# New processes and other programs
+
+def test_cannot_fork_or_exec(open_dir):
+    marker = open_dir / "marker"
+    for code in ["import os\nos.fork()", f"import os\nos.system('touch {marker}')",
+                 f"import subprocess\nsubprocess.run(['touch', '{marker}'])", "import multiprocessing",
+                 "import threading", "import ctypes", f"import pty\npty.spawn(['touch', '{marker}'])"]:
+        text, kind = execute_python(code)
+        assert kind == "refused", text
+    assert not marker.exists()
+
+
+def test_no_new_processes_even_without_the_policy_layers(open_dir):
+    # RLIMIT_NPROC = 0 for the child's (unprivileged) user: fork fails, and so does everything built on it.
+    # (exec *without* fork, which replaces the sandbox process itself, is stopped only by layers 2-3.)
+    marker = open_dir / "marker"
+    text, kind = execute_python("import os\nos.fork()", _policy=False)
+    assert kind == "error" and "BlockingIOError" in text
+    text, kind = execute_python(f"import os\nprint(os.system('touch {marker}'))", _policy=False)
+    assert not marker.exists()
+    assert not marker.exists()
+    text, kind = execute_python("import _thread\n_thread.start_new_thread(print, ('hi',))", _policy=False)
+    assert kind == "error" and "can't start new thread" in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# State between calls
+
+def _workdirs():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "nano-skyrl-py-*")))
+
+
+def test_nothing_survives_a_call():
+    before = _workdirs()
+    assert execute_python("open('state.txt', 'w').write('left behind')\nopen('state.txt').read()") == \
+        ("'left behind'", None)
+    text, kind = execute_python("open('state.txt').read()")
+    assert kind == "error" and "FileNotFoundError" in text
+    execute_python("open('x', 'w').write('1')\nwhile True: pass", timeout_s=0.5)
+    assert _workdirs() == before  # every working directory was removed, after a timeout too
+
+
+def test_cannot_write_into_the_next_calls_directory():
+    # the program only ever sees relative paths inside its own directory; it cannot name another one
+    text, kind = execute_python("open('/tmp/nano-skyrl-py-next/program.py', 'w')")
+    assert kind == "error" and "PermissionError" in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runaway programs: wall clock, CPU, memory, files, output
+
+def test_wall_clock_timeout_kills_the_program():
+    start = time.monotonic()
+    assert execute_python("while True: pass", timeout_s=1.0) == ("Error: timed out after 1 s", "timeout")
+    assert time.monotonic() - start < 2.5
+    start = time.monotonic()
+    text, kind = execute_python("import itertools\nfor _ in itertools.count():\n    print('spam')", timeout_s=0.5)
+    assert kind == "timeout" and time.monotonic() - start < 2.0
+
+
+def test_cpu_limit_is_a_backstop(tmp_path):
+    # Nobody enforcing a wall clock: RLIMIT_CPU ends the child by itself (SIGXCPU, then SIGKILL).
+    (tmp_path / "program.py").write_text("while True: pass")
+    if AS_ROOT:
+        os.chown(tmp_path, env.NOBODY, env.NOBODY)
+    limits = {"cpu_seconds": 1, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
+              "max_chars": 100, "max_code_chars": 1000}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", env.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+                         cwd=tmp_path, env={}, capture_output=True, timeout=30)
+    assert out.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and out.stdout == b""
+    assert time.monotonic() - start < 10
+
+
+def test_memory_limit():
+    text, kind = execute_python("x = 'x' * (2 << 30)\nlen(x)")
+    assert (text, kind) == ("Error: MemoryError", "error")
+    text, kind = execute_python("x = [0] * 10**9")
+    assert kind == "error" and "MemoryError" in text
+
+
+def test_file_size_open_files_and_open_budget():
+    assert execute_python("open('ok', 'w').write('x' * 100000)") == ("100000", None)
+    text, kind = execute_python("open('big', 'w').write('x' * (2 << 20))")
+    assert kind == "error" and "File too large" in text
+    text, kind = execute_python("files = [open(f'f{i}', 'w') for i in range(40)]")
+    assert kind == "error" and "Too many open files" in text
+    text, kind = execute_python("for i in range(100):\n    open(f'f{i}', 'w').close()")
+    assert kind == "error" and f"{env.MAX_OPENS} opens at most" in text
+
+
+def test_output_is_truncated_with_a_marker():
+    text, kind = execute_python("print('x' * 1000000)")
+    assert kind is None and text.startswith("x" * 2000) and text.endswith("... [truncated, 1000001 chars in all]")
+    assert len(text) < 2100
+    text, kind = execute_python("print('y' * 50)", limits=ExecLimits(max_chars=10))
+    assert text == "yyyyyyyyyy... [truncated, 51 chars in all]"
+
+
+def test_long_programs_are_refused():
+    text, kind = execute_python("x = 1\n" * 5000)
+    assert kind == "refused" and "longer than" in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Escapes through the interpreter: the AST check, and the audit hook behind it
+
+@pytest.mark.parametrize("code, reason", [
+    ("().__class__.__base__.__subclasses__()", "__subclasses__"), ("__import__('os')", "__import__"),
+    ("__builtins__", "__builtins__"), ("import os.path", "os.path"), ("import collections.abc", "collections.abc"),
+    ("from random import _os", "_os"), ("from . import x", "import from"), ("class A:\n    pass", "class"),
+    ("g = (i for i in [1])\ng.gi_frame", "gi_frame"), ("g = (i for i in [1])\ng.gi_frame.f_back", "f_back"), ("def f(): pass\nf.func_globals", None),
+    ("import math\nmath._x", "_x"), ("1 +", "SyntaxError"),
+])
+def test_escape_attempts_are_refused(code, reason):
+    refusal = check_program(code)
+    if reason is None:  # not refused by the AST check: must fail at run time
+        assert refusal is None and execute_python(code)[1] == "error"
+        return
+    assert refusal is not None and reason in refusal
+    assert execute_python(code) == ("Error: " + refusal, "refused")
+
+
+@pytest.mark.parametrize("code, needle", [
+    ("g = (i for i in [1])\n'{0.gi_frame}'.format(g)", "object.__getattr__ is not allowed"),  # format's own getattr
+    ("open('/etc/hostname').read()", "not allowed"),
+    ("import collections\ncollections.namedtuple('P', 'x y')", "compile is not allowed"),  # it evals source
+    ("import fractions\nfractions.sys", "no attribute 'sys'"),         # modules are copies without submodules
+    ("import operator\noperator.attrgetter('real')", "no attribute 'attrgetter'"),
+    ("exec('1')", "name 'exec' is not defined"), ("eval('1')", "name 'eval' is not defined"),
+    ("getattr(1, 'real')", "name 'getattr' is not defined"), ("type(1)", "name 'type' is not defined"),
+])
+def test_what_the_ast_check_lets_through_fails_at_run_time(code, needle):
+    assert check_program(code) is None
+    text, kind = execute_python(code)
+    assert kind == "error" and needle in text, text
+
+
+def test_the_child_checks_again():
+    # Feed the child a forbidden program directly, bypassing the parent's check: it refuses by itself.
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "program.py"), "w") as f:
+            f.write("import os\nos.getuid()")
+        if AS_ROOT:
+            os.chown(d, env.NOBODY, env.NOBODY)
+        limits = {"cpu_seconds": 5, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
+                  "max_chars": 100, "max_code_chars": 1000}
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", env.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+                             cwd=d, env={}, capture_output=True, text=True, timeout=30)
+    assert json.loads(out.stdout)["kind"] == "refused"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a math/tool agent needs must keep working
+
+@pytest.mark.parametrize("code, expected", [
+    ("2 + 3 * 4", "14"),
+    ("from fractions import Fraction\nsum(Fraction(1, k) for k in range(1, 5))", "Fraction(25, 12)"),
+    ("import math\nmath.comb(10, 3), math.gcd(12, 18), round(math.sqrt(2), 6)", "(120, 6, 1.414214)"),
+    ("import statistics\nstatistics.mean([1, 2, 3, 4]), statistics.median([3, 1, 2])", "(2.5, 2)"),
+    ("import itertools\nlen(list(itertools.permutations(range(4))))", "24"),
+    ("[x * x for x in range(5) if x % 2 == 0]", "[0, 4, 16]"),
+    ("{k: len(k) for k in ['a', 'bb']}", "{'a': 1, 'bb': 2}"),
+    ("x = 2 / 3\nprint(f'{x:.3f}', '{:>4}|'.format(7), '%05.1f' % 3.14159)", "0.667    7| 003.1"),
+    ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\nfib(20)", "6765"),
+    ("for i in range(3):\n    print(i)", "0\n1\n2"),
+    ("x = 1", "(no output)"),
+    ("try:\n    1 / 0\nexcept ZeroDivisionError:\n    print('caught')", "caught"),
+    ("with open('data.csv', 'w') as f:\n    f.write('1,2\\n3,4\\n')\n"
+     "sum(int(v) for line in open('data.csv') for v in line.split(','))", "10"),
+    ("from math import *\nfloor(pi)", "3"), ("import math as m\nm.factorial(5)", "120"),
+    ("import decimal\ndecimal.Decimal('0.1') + decimal.Decimal('0.2')", "Decimal('0.3')"),
+    ("import collections\ncollections.Counter('hello').most_common(1)", "[('l', 2)]"),
+    ("import random\nrandom.seed(0)\nrandom.randint(1, 100)", "50"),
+    ("import functools, operator\nfunctools.reduce(operator.mul, range(1, 6))", "120"),
+    ("import json, re\njson.dumps(re.findall(r'\\d+', 'a1b22'))", "'[\"1\", \"22\"]'"),
+    ("sorted(['bb', 'a', 'ccc'], key=lambda s: -len(s))", "['ccc', 'bb', 'a']"),
+    ("2 ** 100", "1267650600228229401496703205376"),
+])
+def test_benign_programs(code, expected):
+    assert execute_python(code) == (expected, None)
+
+
+def test_errors_are_text_after_the_output():
+    assert execute_python("print('before')\n1 / 0") == ("before\nError: ZeroDivisionError: division by zero", "error")
+    assert execute_python("undefined") == ("Error: NameError: name 'undefined' is not defined", "error")
+    text, kind = execute_python("def f(n):\n    return f(n + 1)\nf(0)")
+    assert kind == "error" and text.startswith("Error: RecursionError")
+    assert run_python("print(6 * 7)") == "42" and run_python("import os").startswith("Error: import os")
+
+
+def test_concurrent_calls_are_independent():
+    results = {}
+
+    def work(k):
+        results[k] = [execute_python(f"open('k', 'w').write('{k}')\nprint(open('k').read(), {i})")[0]
+                      for i in range(2)]
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {k: [f"{k} 0", f"{k} 1"] for k in range(3)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The python_exec tool
+
+class ExecEnv(ToyMathEnv):
+    tool_names = ("python_exec", "finish")
+
+
+def test_python_exec_tool_in_a_step():
+    ex = ExecEnv(tool_timeout=0.5)
+    task = Task(env="toy_math", id="toy_math/t", prompt="What is 12 * 7?", answer="84")
+    state, _ = ex.reset(task, seed=0)
+    call = ToolCall("python_exec", {"code": "import math\nprint(math.prod([12, 7]))"})
+    state, obs, reward, done, info = ex.step(state, Action(text="", tool_calls=(call,)))
+    assert obs == [{"role": "tool", "name": "python_exec", "content": "84"}] and info["tool_errors"] == 0
+    call = ToolCall("python_exec", {"code": "while True: pass"})
+    state, obs, reward, done, info = ex.step(state, Action(text="", tool_calls=(call,)))
+    assert obs[0]["content"] == "Error: timed out after 0.5 s"
+    assert (info["tool_timeouts"], info["tool_errors"], state.tool_timeouts, done) == (1, 1, 1, False)
+    schema = env.TOOLS["python_exec"].schema()["function"]
+    assert schema["parameters"]["required"] == ["code"] and len(schema["description"]) <= 60
