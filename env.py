@@ -17,7 +17,7 @@ Contents, top to bottom:
   3. The python_exec sandbox (`run_python`, `execute_python`): a whole program in a fresh process per
      call, resource-limited, as an unprivileged user, behind an AST check and an audit hook.
   4. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
-     python_exec, finish.
+     python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
   5. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
   6. `Env`, the base class (tool dispatch and the generic step), `ENVS`, `@register_env`, `make_env`.
   7. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
@@ -87,6 +87,7 @@ class EnvState:
     tool_errors: int = 0         # tool calls that failed: unknown tool, bad arguments, refused, raised, timeout
     tool_timeouts: int = 0       # tool calls that timed out (also counted in tool_errors)
     parse_failures: int = 0      # assistant messages the agent could not parse
+    notes: tuple[str, ...] = ()  # what the scratchpad tool holds, oldest first
 
 
 def tool_message(name: str, content: str) -> dict:
@@ -698,6 +699,108 @@ def python_exec(env, state, code):
 def finish(env, state, answer):
     """Record the answer and end the episode; Env.step scores it and emits no observation for it."""
     return replace(state, done=True, answer=answer), "", None
+
+
+CALC_MAX_CHARS = 500   # longer expressions are refused before parsing
+CALC_MAX_BITS = 4096   # every intermediate numerator and denominator stays below 2**4096 (~1233 digits)
+_CALC_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+             ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: Fraction(a // b), ast.Mod: lambda a, b: a % b}
+
+
+def calculate(expression: str) -> Fraction:
+    """The exact value of an arithmetic expression: numbers, + - * / // % ** (or ^), unary minus, ().
+
+    Its own evaluator over the AST, never Python's eval, with Fractions, so 0.1 + 0.2 is exactly 3/10.
+    Bounded: CALC_MAX_CHARS of input, integer exponents, CALC_MAX_BITS per value (checked before a
+    power is computed, so 9**9**9 is refused at once). Raises ValueError or ZeroDivisionError.
+    """
+    if len(expression) > CALC_MAX_CHARS:
+        raise ValueError(f"expression longer than {CALC_MAX_CHARS} characters")
+    try:
+        tree = ast.parse(expression.replace("^", "**").strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ValueError("not an arithmetic expression") from None
+
+    def bounded(x: Fraction) -> Fraction:
+        if max(x.numerator.bit_length(), x.denominator.bit_length()) > CALC_MAX_BITS:
+            raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
+        return x
+
+    def value(node, depth: int) -> Fraction:
+        if depth > 100:
+            raise ValueError("expression nested too deeply")
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return bounded(Fraction(node.value))
+        if isinstance(node, ast.Constant) and type(node.value) is float:
+            if not math.isfinite(node.value):
+                raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
+            return bounded(Fraction(repr(node.value)))  # a float literal as written: 0.1 is 1/10
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            x = value(node.operand, depth + 1)
+            return -x if isinstance(node.op, ast.USub) else x
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            base, exponent = value(node.left, depth + 1), value(node.right, depth + 1)
+            if exponent.denominator != 1:
+                raise ValueError("only integer exponents are exact")
+            if abs(base) == 1:  # (+-1) ** n without computing n multiplications
+                return base ** (int(exponent) % 2)
+            size = max(base.numerator.bit_length(), base.denominator.bit_length())
+            if (size - 1) * abs(exponent) >= CALC_MAX_BITS:  # the result has more than this many bits
+                raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
+            return bounded(base ** int(exponent))  # at most size * |exponent| <= 2 * CALC_MAX_BITS bits
+        if isinstance(node, ast.BinOp) and type(node.op) in _CALC_OPS:
+            return bounded(_CALC_OPS[type(node.op)](value(node.left, depth + 1), value(node.right, depth + 1)))
+        raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
+
+    return value(tree.body, 0)
+
+
+def format_exact(x: Fraction) -> str:
+    """'84', '7/2 = 3.5' (a terminating decimal), '1/3 ≈ 0.333333333333'."""
+    if x.denominator == 1:
+        return str(x.numerator)
+    for k in range(21):  # 10**k divisible by the denominator: the decimal terminates after k digits
+        if 10 ** k % x.denominator == 0:
+            digits = str(abs(x.numerator) * 10 ** k // x.denominator).rjust(k + 1, "0")
+            return f"{x.numerator}/{x.denominator} = {'-' if x < 0 else ''}{digits[:-k]}.{digits[-k:]}"
+    try:
+        return f"{x.numerator}/{x.denominator} ≈ {float(x):.12g}"
+    except OverflowError:
+        return f"{x.numerator}/{x.denominator}"
+
+
+@tool("calculator", "Exact arithmetic: + - * / // % ** ( ).",
+      {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]})
+def calculator(env, state, expression):
+    """Evaluate `expression` exactly (calculate); the state is unchanged."""
+    try:
+        return state, format_exact(calculate(expression)), None
+    except ZeroDivisionError:
+        return state, "Error: division by zero", "error"
+    except ValueError as e:
+        return state, f"Error: {e}", "error"
+
+
+MAX_NOTES = 20         # notes per episode
+MAX_NOTE_CHARS = 500   # characters per note
+
+
+@tool("scratchpad", "Write a note, or read all notes.",
+      {"type": "object", "properties": {"action": {"type": "string", "enum": ["write", "read"]},
+                                        "text": {"type": "string"}}, "required": ["action"]})
+def scratchpad(env, state, action, text=""):
+    """Notes that live in the episode's state (EnvState.notes): "write" appends `text`, "read" lists them."""
+    if action == "read":
+        return state, "\n".join(f"{i}. {note}" for i, note in enumerate(state.notes, 1)) or "(no notes)", None
+    if action != "write":
+        return state, f'Error: unknown action {action[:40]!r}; use "write" or "read".', "bad_args"
+    if not text.strip():
+        return state, "Error: nothing to write: give the note as \"text\".", "bad_args"
+    if len(text) > MAX_NOTE_CHARS:
+        return state, f"Error: a note holds at most {MAX_NOTE_CHARS} characters, not {len(text)}.", "error"
+    if len(state.notes) >= MAX_NOTES:
+        return state, f"Error: the scratchpad is full ({MAX_NOTES} notes).", "error"
+    return replace(state, notes=state.notes + (text,)), f"Saved note {len(state.notes) + 1}.", None
 
 
 _JSON_TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "object": dict, "array": list}

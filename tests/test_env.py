@@ -1,5 +1,6 @@
 """Tests for env.py: task generation and splits, rewards, every branch of step(), the python_eval sandbox,
-and demonstrations replayed through step().
+the calculator and scratchpad tools, and demonstrations replayed through step().
+(The python_exec sandbox has its own file, test_sandbox.py.)
 
 Ground truth comes from outside the code under test: Python's own eval() of the canonical expression
 (safe here: the expressions are digits and operators we check with a regex first), and hand-written
@@ -17,8 +18,10 @@ import time
 import pytest
 
 import env
-from env import (ENVS, SANDBOX, TOOLS, Action, EnvState, PythonSandbox, Task, ToolCall, ToyMathEnv, check_code,
-                 extract_answer, make_env, parse_number)
+from fractions import Fraction
+
+from env import (ENVS, SANDBOX, TOOLS, Action, EnvState, PythonSandbox, Task, ToolCall, ToyMathEnv, calculate,
+                 check_code, extract_answer, format_exact, make_env, parse_number)
 
 ARITHMETIC = re.compile(r"[\d\s()+\-*/]+")  # what a canonical toy-math expression may contain
 
@@ -306,6 +309,81 @@ def test_sandbox_close_and_restart():
 
 
 # ---------------------------------------------------------------------------------------------------
+# calculator and scratchpad
+
+@pytest.mark.parametrize("expression, value", [
+    ("1 + 2 * 3", 7), ("(1 + 2) * 3", 9), ("0.1 + 0.2", Fraction(3, 10)), ("7 / 2", Fraction(7, 2)),
+    ("-7 // 2", -4), ("-7 % 3", 2), ("2 ** 10", 1024), ("2 ^ 10", 1024), ("2 ** -2", Fraction(1, 4)),
+    ("-(3 - 5)", 2), ("+4", 4), ("(1/3) * 3", 1), ("1e3 / 8", 125), ("(-1) ** (10 ** 100 + 1)", -1),
+    ("0 ** 0", 1), ("2 ** 4095", 2 ** 4095), (" 6*7 ", 42),
+])
+def test_calculate_is_exact(expression, value):
+    assert calculate(expression) == value  # values written by hand (0.1 + 0.2 is exactly 3/10, unlike floats)
+
+
+@pytest.mark.parametrize("expression, problem", [
+    ("2 ** 4096", "larger than"), ("9 ** 9 ** 9", "larger than"), ("10 ** 1000 * 10 ** 1000", "larger than"),
+    ("2 ** 0.5", "integer exponents"), ("abs(-1)", "only numbers"), ("x + 1", "only numbers"),
+    ("__import__('os')", "only numbers"), ("1 +", "not an arithmetic"), ("'a' * 3", "only numbers"),
+    ("1e999", "larger than"), ("(" * 240 + "1" + ")" * 240, "not an arithmetic"), ("-" * 300 + "1", "nested too deeply"), ("1" * 600, "longer than"),
+    ("[1, 2]", "only numbers"), ("1 < 2", "only numbers"), ("True + 1", "only numbers"),
+])
+def test_calculate_refuses(expression, problem):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=problem):
+        calculate(expression)
+    assert time.monotonic() - start < 0.5  # bounds are checked before the work, never after
+
+
+def test_format_exact():
+    assert [format_exact(Fraction(x)) for x in ("84", "-3", "7/2", "-1/8", "1/3", "-2/3")] == [
+        "84", "-3", "7/2 = 3.5", "-1/8 = -0.125", "1/3 ≈ 0.333333333333", "-2/3 ≈ -0.666666666667"]
+
+
+class ToolsEnv(ToyMathEnv):
+    tool_names = ("calculator", "scratchpad", "finish")
+
+
+def call(env_, state, name, **arguments):
+    return env_.step(state, action((name, arguments)))
+
+
+def test_calculator_tool(toy):
+    tools_env = ToolsEnv()
+    state, obs, reward, done, info = call(tools_env, fresh(tools_env), "calculator", expression="12 * 7")
+    assert obs == [{"role": "tool", "name": "calculator", "content": "84"}] and info["tool_errors"] == 0
+    for expression, text in [("1 / 0", "Error: division by zero"), ("9 ** 9 ** 9", "Error: a value is larger than")]:
+        state, obs, reward, done, info = call(tools_env, state, "calculator", expression=expression)
+        assert obs[0]["content"].startswith(text) and info["tool_errors"] == 1 and not done
+    assert state.tool_calls == 3 and state.tool_errors == 2
+
+
+def test_scratchpad_notes_live_in_the_state():
+    tools_env = ToolsEnv()
+    start = fresh(tools_env)
+    state, obs, *_ = call(tools_env, start, "scratchpad", action="read")
+    assert obs[0]["content"] == "(no notes)"
+    state, obs, *_ = call(tools_env, state, "scratchpad", action="write", text="12 * 7 = 84")
+    assert obs[0]["content"] == "Saved note 1." and state.notes == ("12 * 7 = 84",)
+    after_one = state
+    state, obs, *_ = call(tools_env, state, "scratchpad", action="write", text="check: 84 / 7 = 12")
+    state, obs, *_ = call(tools_env, state, "scratchpad", action="read")
+    assert obs[0]["content"] == "1. 12 * 7 = 84\n2. check: 84 / 7 = 12"
+    # frozen state: the earlier states are untouched, so episodes (and replays of one) never share notes
+    assert start.notes == () and after_one.notes == ("12 * 7 = 84",)
+    state2, obs, *_ = call(tools_env, after_one, "scratchpad", action="read")
+    assert obs[0]["content"] == "1. 12 * 7 = 84"
+    for arguments, problem in [({"action": "erase"}, "unknown action"), ({"action": "write"}, "nothing to write"),
+                               ({"action": "write", "text": "x" * 501}, "at most 500"), ({}, "missing")]:
+        s, obs, reward, done, info = tools_env.step(state, action(("scratchpad", arguments)))
+        assert problem in obs[0]["content"] and info["tool_errors"] == 1 and s.notes == state.notes
+    for i in range(env.MAX_NOTES - 2):
+        state, *_ = call(tools_env, state, "scratchpad", action="write", text=f"note {i}")
+    state, obs, reward, done, info = call(tools_env, state, "scratchpad", action="write", text="one too many")
+    assert "full" in obs[0]["content"] and len(state.notes) == env.MAX_NOTES and info["tool_errors"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
 # Tools, demonstrations, registry
 
 def test_tool_schemas(toy):
@@ -318,6 +396,10 @@ def test_tool_schemas(toy):
         json.dumps(s)
     assert schemas[0]["function"]["parameters"]["required"] == ["code"]
     assert schemas[1]["function"]["parameters"]["required"] == ["answer"]
+    for name, required in [("python_exec", ["code"]), ("calculator", ["expression"]), ("scratchpad", ["action"])]:
+        s = TOOLS[name].schema()
+        assert s["function"]["parameters"]["required"] == required and len(s["function"]["description"]) <= 60
+        json.dumps(s)
 
 
 @pytest.mark.parametrize("use_tools", [True, False])
