@@ -19,7 +19,8 @@ Contents, top to bottom:
   4. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
      python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
   5. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
-  6. `Env`, the base class (tool dispatch and the generic step), `ENVS`, `@register_env`, `make_env`.
+  6. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
+     `@register_env`, `make_env`.
   7. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 
@@ -86,7 +87,7 @@ class EnvState:
     tool_calls: int = 0          # tool calls made, not counting the one that ended the episode (finish)
     tool_errors: int = 0         # tool calls that failed: unknown tool, bad arguments, refused, raised, timeout
     tool_timeouts: int = 0       # tool calls that timed out (also counted in tool_errors)
-    parse_failures: int = 0      # assistant messages the agent could not parse
+    parse_failures: int = 0      # assistant messages the agent could not parse (entirely or in part)
     notes: tuple[str, ...] = ()  # what the scratchpad tool holds, oldest first
 
 
@@ -398,7 +399,7 @@ def check_program(code: str, max_code_chars: int = 20000) -> str | None:
                     return f"importing the private name {alias.name} is not allowed"
         if isinstance(node, ast.Name) and node.id.startswith("__"):
             return f"the name {node.id} is not allowed"
-        if isinstance(node, ast.Attribute) and (node.attr.startswith("_") or node.attr.startswith(_FRAME_ATTR_PREFIXES)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith(("_",) + _FRAME_ATTR_PREFIXES):
             return f"attribute access .{node.attr} is not allowed"
         if isinstance(node, ast.ClassDef):
             return "class definitions are not allowed"
@@ -658,6 +659,8 @@ class Tool:
     description: str   # keep it to a few words: the schemas are rendered into every prompt
     parameters: dict   # JSON schema of the arguments object
     fn: Callable
+    bounded: bool = False  # True: fn returns within env.tool_timeout by itself (it kills its own child
+                           # process, or cannot block), so Env.run_tool calls it directly, not in a watchdog thread
 
     def schema(self) -> dict:
         """The OpenAI-style function schema."""
@@ -665,21 +668,21 @@ class Tool:
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
 
-TOOLS: dict[str, Tool] = {}  # filled at import by @tool, never mutated afterwards
+TOOLS: dict[str, Tool] = {}  # filled at import by @tool (tests add and remove their own)
 
 
-def tool(name: str, description: str, parameters: dict):
+def tool(name: str, description: str, parameters: dict, bounded: bool = False):
     """Decorator: register `fn` as the tool `name` in TOOLS."""
     def register(fn):
         if name in TOOLS:
             raise ValueError(f"tool {name!r} is registered twice")
-        TOOLS[name] = Tool(name, description, parameters, fn)
+        TOOLS[name] = Tool(name, description, parameters, fn, bounded)
         return fn
     return register
 
 
 @tool("python_eval", "Run Python code and return the result.",
-      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]})
+      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, bounded=True)
 def python_eval(env, state, code):
     """Run `code` in the shared sandbox; the state is unchanged."""
     text, kind = SANDBOX.run(code, timeout=env.tool_timeout)
@@ -687,7 +690,7 @@ def python_eval(env, state, code):
 
 
 @tool("python_exec", "Run a Python program in a fresh sandbox.",
-      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]})
+      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, bounded=True)
 def python_exec(env, state, code):
     """Run `code` as a whole program in its own sandboxed process (execute_python); the state is unchanged."""
     text, kind = execute_python(code, timeout_s=env.tool_timeout)
@@ -695,7 +698,7 @@ def python_exec(env, state, code):
 
 
 @tool("finish", "Submit the final answer.",
-      {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
+      {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}, bounded=True)
 def finish(env, state, answer):
     """Record the answer and end the episode; Env.step scores it and emits no observation for it."""
     return replace(state, done=True, answer=answer), "", None
@@ -721,7 +724,7 @@ def calculate(expression: str) -> Fraction:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise ValueError("not an arithmetic expression") from None
 
-    def bounded(x: Fraction) -> Fraction:
+    def small(x: Fraction) -> Fraction:
         if max(x.numerator.bit_length(), x.denominator.bit_length()) > CALC_MAX_BITS:
             raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
         return x
@@ -730,11 +733,11 @@ def calculate(expression: str) -> Fraction:
         if depth > 100:
             raise ValueError("expression nested too deeply")
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            return bounded(Fraction(node.value))
+            return small(Fraction(node.value))
         if isinstance(node, ast.Constant) and type(node.value) is float:
             if not math.isfinite(node.value):
                 raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
-            return bounded(Fraction(repr(node.value)))  # a float literal as written: 0.1 is 1/10
+            return small(Fraction(repr(node.value)))  # a float literal as written: 0.1 is 1/10
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             x = value(node.operand, depth + 1)
             return -x if isinstance(node.op, ast.USub) else x
@@ -747,9 +750,9 @@ def calculate(expression: str) -> Fraction:
             size = max(base.numerator.bit_length(), base.denominator.bit_length())
             if (size - 1) * abs(exponent) >= CALC_MAX_BITS:  # the result has more than this many bits
                 raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
-            return bounded(base ** int(exponent))  # at most size * |exponent| <= 2 * CALC_MAX_BITS bits
+            return small(base ** int(exponent))  # at most size * |exponent| <= 2 * CALC_MAX_BITS bits
         if isinstance(node, ast.BinOp) and type(node.op) in _CALC_OPS:
-            return bounded(_CALC_OPS[type(node.op)](value(node.left, depth + 1), value(node.right, depth + 1)))
+            return small(_CALC_OPS[type(node.op)](value(node.left, depth + 1), value(node.right, depth + 1)))
         raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 
     return value(tree.body, 0)
@@ -770,7 +773,7 @@ def format_exact(x: Fraction) -> str:
 
 
 @tool("calculator", "Exact arithmetic: + - * / // % ** ( ).",
-      {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]})
+      {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}, bounded=True)
 def calculator(env, state, expression):
     """Evaluate `expression` exactly (calculate); the state is unchanged."""
     try:
@@ -787,7 +790,7 @@ MAX_NOTE_CHARS = 500   # characters per note
 
 @tool("scratchpad", "Write a note, or read all notes.",
       {"type": "object", "properties": {"action": {"type": "string", "enum": ["write", "read"]},
-                                        "text": {"type": "string"}}, "required": ["action"]})
+                                        "text": {"type": "string"}}, "required": ["action"]}, bounded=True)
 def scratchpad(env, state, action, text=""):
     """Notes that live in the episode's state (EnvState.notes): "write" appends `text`, "read" lists them."""
     if action == "read":
@@ -873,7 +876,7 @@ class Env:
     reply to a simulated user). reset, step and run_tool are shared, so the agent loop never changes."""
     name: str = "base"                 # set by @register_env
     tool_names: tuple[str, ...] = ()   # the TOOLS this env offers, in prompt order
-    tool_timeout: float = 2.0          # seconds per python_eval / python_exec call
+    tool_timeout: float = 2.0          # seconds per tool call (python_eval, python_exec; the watchdog of the others)
 
     def tools(self) -> list[dict]:
         return [TOOLS[n].schema() for n in self.tool_names]
@@ -912,10 +915,13 @@ class Env:
             raise ValueError("step() called on a finished episode")
         start = replace(state, turn=state.turn + 1)
         if action.parse_error is not None:
+            # Calls the parser could still read (repaired JSON, a missing </tool_call>) run; the problem is
+            # reported after their results and counted, so the model still learns the exact format.
             hint = "Call a tool with JSON arguments, or reply with the answer."
-            state, obs, reward, done, info = (replace(start, parse_failures=start.parse_failures + 1),
-                                              [tool_message("error", f"Error: {action.parse_error}. {hint}")],
-                                              0.0, False, {})
+            state = replace(start, parse_failures=start.parse_failures + 1)
+            state, obs, reward, done, info = self.run_tool_calls(state, action.tool_calls)
+            if not done:
+                obs = obs + [tool_message("error", f"Error: {action.parse_error}. {hint}")]
         elif not action.tool_calls:
             state, obs, reward, done, info = self.on_text(start, action.text)
         else:
@@ -946,17 +952,73 @@ class Env:
         return state, obs, 0.0, False, {}
 
     def run_tool(self, state: EnvState, call: ToolCall) -> tuple[EnvState, str, str | None]:
-        """Dispatch one call -> (state, observation text, error kind or None). Errors are text, not exceptions."""
+        """Dispatch one call -> (state, observation text, error kind or None). Errors are text, not exceptions.
+
+        A bug in one tool must not kill a batch of rollouts: an exception, a hang (a tool that is not
+        `bounded` runs in a watchdog thread; past tool_timeout it is abandoned, and keeps its thread until
+        it returns), a result of the wrong shape all become "Error: ..." text; text longer than
+        MAX_OBSERVATION_CHARS is cut with a visible marker.
+        """
         if call.name not in self.tool_names:
             return state, f"Error: unknown tool {call.name!r}. Tools: {', '.join(self.tool_names)}.", "unknown_tool"
         spec = TOOLS[call.name]
         arguments, problem = validate_arguments(spec.parameters, call.arguments)
         if problem is not None:
             return state, f"Error: {problem}.", "bad_args"
+        result, error = _call_with_deadline(lambda: spec.fn(self, state, **arguments),
+                                            None if spec.bounded else self.tool_timeout)
+        if isinstance(error, TimeoutError):
+            return state, f"Error: {call.name} did not answer within {self.tool_timeout:g} s", "timeout"
+        if error is not None:
+            return state, _cut(f"Error: {type(error).__name__}: {_safe_str(error)}"), "error"
+        if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], EnvState)
+                and isinstance(result[1], str) and (result[2] is None or isinstance(result[2], str))):
+            return state, f"Error: {call.name} returned a {type(result).__name__}, not (state, text, kind)", "error"
+        new_state, text, kind = result
+        return new_state, _cut(text), kind
+
+
+MAX_OBSERVATION_CHARS = 4000  # a tool's text is cut here, with a visible marker (python_eval cuts at 500 itself)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_OBSERVATION_CHARS else (
+        text[:MAX_OBSERVATION_CHARS] + f"... [truncated, {len(text)} chars in all]")
+
+
+def _safe_str(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:  # an exception whose __str__ raises
+        return "(no message)"
+
+
+def _call_with_deadline(fn: Callable, timeout: float | None) -> tuple[object, Exception | None]:
+    """fn() -> (its result, None) or (None, the exception it raised, or TimeoutError past `timeout`).
+
+    timeout None: call it here. Otherwise in a daemon thread, which we stop waiting for at the deadline:
+    Python cannot kill a thread, so a tool that truly hangs keeps its thread (tools that run untrusted
+    code use a child process they can kill, and are `bounded`). The thread costs ~0.1 ms per call.
+    """
+    if timeout is None:
         try:
-            return spec.fn(self, state, **arguments)
-        except Exception as e:  # a bug in one tool must not kill a whole batch of rollouts
-            return state, f"Error: {type(e).__name__}: {e}", "error"
+            return fn(), None
+        except Exception as e:
+            return None, e
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except Exception as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="tool-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return None, TimeoutError()
+    return box.get("result"), box.get("error")
 
 
 ENVS: dict[str, type[Env]] = {}  # filled at import by @register_env
@@ -1089,7 +1151,7 @@ class ToyMathEnv(Env):
         self.max_operand = max_operand           # operands are drawn from 1..max_operand (// dividends excepted)
         self.kinds = tuple(kinds)                # which generators to draw from
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(kinds)  # their relative odds
-        self.tool_timeout = tool_timeout         # seconds per python_eval call
+        self.tool_timeout = tool_timeout         # seconds per tool call
 
     def system_prompt(self) -> str:
         return "Solve the problem. Use python_eval to compute and finish to give the answer."

@@ -1,5 +1,5 @@
 """Tests for env.py: task generation and splits, rewards, every branch of step(), the python_eval sandbox,
-the calculator and scratchpad tools, and demonstrations replayed through step().
+the calculator and scratchpad tools, broken tools, and demonstrations replayed through step().
 (The python_exec sandbox has its own file, test_sandbox.py.)
 
 Ground truth comes from outside the code under test: Python's own eval() of the canonical expression
@@ -197,6 +197,18 @@ def test_step_several_calls_stop_at_finish(toy):
     assert (info["tool_calls"], info["tool_errors"], info["format_ok"]) == (2, 1, True)
 
 
+def test_step_runs_the_calls_that_parsed_despite_a_parse_error(toy):
+    # e.g. a repaired call, or a complete call whose </tool_call> was cut off: it runs, and the problem is
+    # reported after its result and counted as a parse failure
+    act = action(("python_eval", {"code": "12 * 7"}), parse_error="<tool_call> at char 0 is not closed")
+    state, obs, reward, done, info = toy.step(fresh(toy), act)
+    assert [o["content"] for o in obs] == ["84", obs[1]["content"]] and obs[1]["name"] == "error"
+    assert obs[1]["content"].startswith("Error: <tool_call> at char 0 is not closed.")
+    assert (done, state.parse_failures, state.tool_calls, info["tool_calls"]) == (False, 1, 1, 1)
+    state, obs, reward, done, info = toy.step(state, action(("finish", {"answer": "84"}), parse_error="repaired"))
+    assert (obs, reward, done, state.parse_failures) == ([], 1.0, True, 2)
+
+
 def test_step_finish_with_bad_arguments_does_not_end(toy):
     state, obs, reward, done, info = toy.step(fresh(toy), action(("finish", {"result": "84"})))
     assert not done and "missing ['answer']" in obs[0]["content"] and state.tool_errors == 1
@@ -325,7 +337,8 @@ def test_calculate_is_exact(expression, value):
     ("2 ** 4096", "larger than"), ("9 ** 9 ** 9", "larger than"), ("10 ** 1000 * 10 ** 1000", "larger than"),
     ("2 ** 0.5", "integer exponents"), ("abs(-1)", "only numbers"), ("x + 1", "only numbers"),
     ("__import__('os')", "only numbers"), ("1 +", "not an arithmetic"), ("'a' * 3", "only numbers"),
-    ("1e999", "larger than"), ("(" * 240 + "1" + ")" * 240, "not an arithmetic"), ("-" * 300 + "1", "nested too deeply"), ("1" * 600, "longer than"),
+    ("1e999", "larger than"), ("(" * 240 + "1" + ")" * 240, "not an arithmetic"), ("-" * 300 + "1", "nested too deeply"),
+    ("1" * 600, "longer than"),
     ("[1, 2]", "only numbers"), ("1 < 2", "only numbers"), ("True + 1", "only numbers"),
 ])
 def test_calculate_refuses(expression, problem):
@@ -341,7 +354,7 @@ def test_format_exact():
 
 
 class ToolsEnv(ToyMathEnv):
-    tool_names = ("calculator", "scratchpad", "finish")
+    tool_names = ("calculator", "scratchpad", "finish", "broken")
 
 
 def call(env_, state, name, **arguments):
@@ -381,6 +394,66 @@ def test_scratchpad_notes_live_in_the_state():
         state, *_ = call(tools_env, state, "scratchpad", action="write", text=f"note {i}")
     state, obs, reward, done, info = call(tools_env, state, "scratchpad", action="write", text="one too many")
     assert "full" in obs[0]["content"] and len(state.notes) == env.MAX_NOTES and info["tool_errors"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# A broken tool never breaks the loop
+
+@pytest.fixture
+def broken_tool():
+    """Register the test tool "broken": {"how": "raise" | "hang" | "huge" | "shape" | "ok"}."""
+    release = threading.Event()
+
+    def broken(env_, state, how):
+        if how == "raise":
+            raise KeyError("the tool has a bug")
+        if how == "hang":
+            release.wait(30)  # a hang we can end, so the abandoned thread does not outlive the test
+        if how == "huge":
+            return state, "x" * 5_000_000, None
+        if how == "shape":
+            return "just text"
+        return state, "fine", None
+
+    env.tool("broken", "A tool with bugs (tests only).",
+             {"type": "object", "properties": {"how": {"type": "string"}}, "required": ["how"]})(broken)
+    try:
+        yield
+    finally:
+        release.set()
+        del TOOLS["broken"]
+
+
+@pytest.mark.parametrize("how, text, errors, timeouts", [
+    ("raise", "Error: KeyError: 'the tool has a bug'", 1, 0),
+    ("hang", "Error: broken did not answer within 0.3 s", 1, 1),
+    ("shape", "Error: broken returned a str, not (state, text, kind)", 1, 0),
+    ("ok", "fine", 0, 0),
+])
+def test_broken_tool_becomes_an_observation(broken_tool, how, text, errors, timeouts):
+    tools_env = ToolsEnv(tool_timeout=0.3)
+    start = time.monotonic()
+    state, obs, reward, done, info = call(tools_env, fresh(tools_env), "broken", how=how)
+    assert obs == [{"role": "tool", "name": "broken", "content": text}] and not done
+    assert (info["tool_errors"], info["tool_timeouts"], state.tool_errors, state.tool_timeouts) == (
+        errors, timeouts, errors, timeouts)
+    assert time.monotonic() - start < 2.0
+
+
+def test_broken_tool_huge_output_is_cut(broken_tool):
+    state, obs, reward, done, info = call(ToolsEnv(), fresh(ToolsEnv()), "broken", how="huge")
+    content = obs[0]["content"]
+    assert content == "x" * env.MAX_OBSERVATION_CHARS + "... [truncated, 5000000 chars in all]"
+    assert info["tool_errors"] == 0  # too much output is not an error: python_eval cuts its own the same way
+
+
+def test_broken_tool_then_the_episode_goes_on(broken_tool):
+    tools_env = ToolsEnv(tool_timeout=0.3)
+    calls = [("broken", {"how": "raise"}), ("broken", {"how": "hang"}), ("calculator", {"expression": "12*7"}),
+             ("finish", {"answer": "84"})]
+    state, obs, reward, done, info = tools_env.step(fresh(tools_env), action(*calls))
+    assert [o["content"] for o in obs][2] == "84" and (reward, done) == (1.0, True)
+    assert (state.tool_calls, state.tool_errors, state.tool_timeouts) == (3, 2, 1)
 
 
 # ---------------------------------------------------------------------------------------------------

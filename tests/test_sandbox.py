@@ -246,7 +246,8 @@ def test_long_programs_are_refused():
     ("().__class__.__base__.__subclasses__()", "__subclasses__"), ("__import__('os')", "__import__"),
     ("__builtins__", "__builtins__"), ("import os.path", "os.path"), ("import collections.abc", "collections.abc"),
     ("from random import _os", "_os"), ("from . import x", "import from"), ("class A:\n    pass", "class"),
-    ("g = (i for i in [1])\ng.gi_frame", "gi_frame"), ("g = (i for i in [1])\ng.gi_frame.f_back", "f_back"), ("def f(): pass\nf.func_globals", None),
+    ("g = (i for i in [1])\ng.gi_frame", "gi_frame"), ("g = (i for i in [1])\ng.gi_frame.f_back", "f_back"),
+    ("def f(): pass\nf.func_globals", None),
     ("import math\nmath._x", "_x"), ("1 +", "SyntaxError"),
 ])
 def test_escape_attempts_are_refused(code, reason):
