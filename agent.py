@@ -30,6 +30,7 @@ Imports: env.py only (and torch, the standard library).
 import json
 import re
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -258,79 +259,41 @@ CHAT_TEMPLATES: dict[str, str] = {"qwen2.5": r"""{%- if tools %}
 
 # -----------------------------------------------------------------------------
 # tool-call parsing
+#
+# Small models write tool calls badly, and a parser that raises or hangs takes a whole batch down. So:
+# parse_tool_calls never raises, reads what can be read, and says what was wrong (env.step runs the
+# calls that parsed, reports the problem, counts a parse failure). Each <tool_call> block is first read
+# with strict json.loads: a well-formed call parses exactly as it always did. Otherwise _LenientJSON
+# repairs what models commonly get wrong: a code fence or text around the object, single quotes,
+# True/False/None, trailing commas, raw newlines inside strings, bare keys, and missing closing brackets
+# at the end of a block that was closed. A block whose </tool_call> never comes (a generation cut by
+# max_tokens, a forgotten tag) still gives its call when its JSON is complete. Every repair is reported,
+# so the error is None only for a well-formed message.
+# Bounded time: MAX_PARSE_CHARS of a message are scanned, MAX_BLOCKS blocks read; the (pure Python)
+# repairing reader gets MAX_REPAIR_CHARS and MAX_REPAIR_STEPS per block, and reads string contents in
+# bulk. Every scan is linear: literal tags, and regexes that are single character classes or fixed
+# sequences (nothing that can backtrack).
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-# Only the two literal tags are matched (no nested quantifiers), so scanning is linear in the text length;
-# the JSON between them goes to json.loads, which is linear too.
+MAX_PARSE_CHARS = 100_000   # characters of a message scanned for tool calls (the rest is kept as text)
+MAX_BLOCKS = 16             # <tool_call> blocks read per message; later ones are reported, not read
+MAX_REPAIR_CHARS = 20_000   # a longer block that is not strict JSON is not repaired
+MAX_REPAIR_STEPS = 1_000    # values, keys and escapes the repairing reader reads per block (a few ms)
+MAX_NAME_CHARS = 64         # a longer tool name is refused
 _TAG_RE = re.compile(r"</?tool_call>")
-
-
-def _parse_call_body(body: str) -> tuple[ToolCall | None, str | None]:
-    """The JSON between <tool_call> and </tool_call> -> (ToolCall, None) or (None, why it is invalid)."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as e:     # JSONDecodeError is a ValueError; deep nesting recurses
-        return None, f"invalid JSON in tool call: {e}"
-    if not isinstance(obj, dict):
-        return None, f"tool call is a JSON {type(obj).__name__}, not an object"
-    name = obj.get("name", obj.get("tool"))       # {"name", "arguments"} (Qwen) or {"tool", "args"}
-    if not isinstance(name, str) or not name:
-        return None, "tool call without a name"
-    args = obj["arguments"] if "arguments" in obj else obj.get("args")
-    if args is None:                              # a call of a function without parameters
-        args = {}
-    if isinstance(args, str):                     # OpenAI-style arguments: a JSON-encoded string
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError) as e:
-            return None, f"tool {name!r}: arguments string is not valid JSON: {e}"
-    if not isinstance(args, dict):
-        return None, f"tool {name!r}: arguments are a JSON {type(args).__name__}, not an object"
-    return ToolCall(name=name, arguments=args), None
-
-
-def _split_tool_calls(text: str) -> tuple[list[ToolCall], str, str | None]:
-    """-> (the calls that parsed, `text` without their blocks, an error description or None).
-
-    Removing a well-formed block also removes the one '\\n' that render() writes before it, so that for
-    text in the canonical form, render() of {content, tool_calls} gives `text` back. Blocks that do not
-    parse stay in the content, verbatim.
-    """
-    calls, errors, keep = [], [], []   # keep: pieces of text outside the well-formed blocks
-    pos = 0                            # start of the text not yet copied to `keep`
-    open_at = None                     # index of the pending <tool_call> tag, if any
-    for m in _TAG_RE.finditer(text):
-        if m.group() == TOOL_CALL_OPEN:
-            if open_at is not None:
-                errors.append(f"<tool_call> at char {open_at} is not closed before the next one")
-            open_at = m.start()
-        elif open_at is None:
-            errors.append(f"stray </tool_call> at char {m.start()}")
-        else:
-            call, err = _parse_call_body(text[open_at + len(TOOL_CALL_OPEN):m.start()].strip())
-            if err is not None:
-                errors.append(err)
-            else:
-                calls.append(call)
-                start = open_at - 1 if open_at > pos and text[open_at - 1] == "\n" else open_at
-                keep.append(text[pos:start])
-                pos = m.end()
-            open_at = None
-    if open_at is not None:
-        errors.append(f"<tool_call> at char {open_at} is not closed (truncated generation?)")
-    keep.append(text[pos:])
-    return calls, "".join(keep), "; ".join(errors) or None
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     """Parse the <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks of an assistant message.
 
-    Never raises. Returns the calls that parsed and a description of everything malformed (None when all
-    is well formed): invalid JSON, a missing name, arguments that are not an object, an unclosed
-    <tool_call> (a generation cut by max_tokens), a stray </tool_call>. Text without calls -> ([], None).
+    Never raises. Returns the calls that could be read (well-formed or repaired, in order) and a
+    description of everything malformed, None when all is well formed: invalid JSON (repaired or not),
+    a missing name, arguments that are not an object, an unclosed <tool_call>, a stray </tool_call>.
+    Text without calls -> ([], None). {"tool": ..., "args": ...} and arguments given as a JSON-encoded
+    string are accepted as well-formed. Unknown tool names parse: the env reports them.
     """
-    calls, _, error = _split_tool_calls(text)
-    return calls, error
+    split = _split_tool_calls(text)
+    return split.calls, split.error
 
 
 def make_action(text: str) -> Action:
@@ -340,14 +303,274 @@ def make_action(text: str) -> Action:
 
 
 def assistant_message(text: str) -> dict:
-    """The OpenAI-style assistant message of a decoded completion: content = the text outside the
-    well-formed tool-call blocks, tool_calls = the parsed calls (render() reproduces canonical text)."""
-    calls, content, _ = _split_tool_calls(text)
-    msg = {"role": "assistant", "content": content}
-    if calls:
+    """The OpenAI-style assistant message of a decoded completion, such that render() gives `text` back.
+
+    tool_calls = the calls of the blocks that end the message exactly as render() writes them
+    (canonical JSON, one "\n" between blocks and before the first); content = the text before them.
+    Any other block, well-formed or not, stays in the content verbatim, so the message re-renders to
+    the very text the policy produced (qwen2.5): what SFT data, evaluation dumps and replays need.
+    """
+    split = _split_tool_calls(text)
+    msg = {"role": "assistant", "content": split.content}
+    if split.content_calls:
         msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
+                             for c in split.content_calls]
     return msg
+
+
+class _Split(NamedTuple):
+    calls: list[ToolCall]          # every call that could be read, in order (parse_tool_calls)
+    error: str | None              # everything malformed, or None
+    content: str                   # the text less the canonical blocks that end it (assistant_message)
+    content_calls: list[ToolCall]  # the calls of those blocks
+
+
+def _split_tool_calls(text: str) -> _Split:
+    """One scan of the message for both parse_tool_calls and assistant_message."""
+    scanned = text[:MAX_PARSE_CHARS]
+    problems = [] if len(text) <= MAX_PARSE_CHARS else [
+        f"message longer than {MAX_PARSE_CHARS} characters: tool calls after that were not read"]
+    blocks = []                        # (start, end, body, how it ended: "closed" | "next" | "end")
+    open_at = None                     # index of the pending <tool_call> tag, if any
+    for n_tags, m in enumerate(_TAG_RE.finditer(scanned)):
+        if len(blocks) == MAX_BLOCKS or n_tags == 4 * MAX_BLOCKS:
+            problems.append(f"more than {MAX_BLOCKS} tool calls: the rest were not read")
+            open_at = None
+            break
+        if m.group() == TOOL_CALL_OPEN:
+            if open_at is not None:
+                blocks.append((open_at, m.start(), scanned[open_at + len(TOOL_CALL_OPEN):m.start()], "next"))
+            open_at = m.start()
+        elif open_at is None:
+            problems.append(f"stray </tool_call> at char {m.start()}")
+        else:
+            blocks.append((open_at, m.end(), scanned[open_at + len(TOOL_CALL_OPEN):m.start()], "closed"))
+            open_at = None
+    if open_at is not None:
+        blocks.append((open_at, len(scanned), scanned[open_at + len(TOOL_CALL_OPEN):], "end"))
+
+    calls, canonical = [], []          # canonical: (start, end, call) of blocks exactly as render() writes them
+    for start, end, body, ending in blocks:
+        call, problem = _parse_call_body(body, closed=ending == "closed")
+        if ending == "next":
+            problems.append(f"<tool_call> at char {start} is not closed before the next one")
+        elif ending == "end":
+            problems.append(f"<tool_call> at char {start} is not closed (truncated generation?)")
+        if problem is not None:
+            problems.append(problem)
+        if call is not None:
+            calls.append(call)
+            if problem is None and ending == "closed" and text[start:end] == _tool_call_text(
+                    {"name": call.name, "arguments": call.arguments}):
+                canonical.append((start, end, call))
+    error = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more problems" if len(problems) > 8 else "")
+    content, content_calls = text, []
+    for k in range(len(canonical)):    # the longest run of canonical blocks that render() writes back as text
+        run = canonical[k:]
+        before = text[:run[0][0]]
+        candidate = before[:-1] if before.endswith("\n") else before  # render() adds that "\n" itself
+        if candidate + ("\n" if candidate else "") + "\n".join(text[s:e] for s, e, _ in run) == text:
+            content, content_calls = candidate, [c for _, _, c in run]
+            break
+    return _Split(calls, error or None, content, content_calls)
+
+
+def _parse_call_body(body: str, closed: bool) -> tuple[ToolCall | None, str | None]:
+    """The text between <tool_call> and </tool_call> -> (call, None) if well formed, (call, what was
+    repaired) if readable, (None, why not). closed: the block had its </tool_call>; only then may the
+    lenient reader add missing closing brackets (an unclosed block must hold complete JSON)."""
+    obj, repairs = None, []
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:      # JSONDecodeError is a ValueError; deep nesting recurses
+        strict_error = f"invalid JSON in tool call: {e}"
+        if len(body) > MAX_REPAIR_CHARS:
+            return None, strict_error + " (too long to repair)"
+        try:
+            obj, repairs = _loads_lenient(body, close_at_end=closed)
+        except ValueError:
+            return None, strict_error
+    if not isinstance(obj, dict):
+        return None, f"tool call is a JSON {type(obj).__name__}, not an object"
+    name = obj.get("name", obj.get("tool"))       # {"name", "arguments"} (Qwen) or {"tool", "args"}
+    if not isinstance(name, str) or not name:
+        return None, "tool call without a name"
+    if len(name) > MAX_NAME_CHARS:
+        return None, f"tool name longer than {MAX_NAME_CHARS} characters"
+    args = obj["arguments"] if "arguments" in obj else obj.get("args")
+    if args is None:                              # a call of a function without parameters
+        args = {}
+    if isinstance(args, str):                     # OpenAI-style arguments: a JSON-encoded string
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError) as e:
+            if len(args) > MAX_REPAIR_CHARS:
+                return None, f"tool {name!r}: arguments string is not valid JSON: {e}"
+            try:
+                args, more = _loads_lenient(args, close_at_end=False)
+                repairs += [r for r in more if r not in repairs]
+            except ValueError:
+                return None, f"tool {name!r}: arguments string is not valid JSON: {e}"
+    if not isinstance(args, dict):
+        return None, f"tool {name!r}: arguments are a JSON {type(args).__name__}, not an object"
+    call = ToolCall(name=name, arguments=args)
+    return call, (f"invalid JSON in tool call {name!r}, repaired: {', '.join(repairs)}" if repairs else None)
+
+
+_WS = re.compile(r"[ \t\r\n]*")
+_STRING_RUN = {'"': re.compile(r'[^"\\]*'), "'": re.compile(r"[^'\\]*")}
+_CONTROL = re.compile(r"[\x00-\x1f]")
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_WORD_RE = re.compile(r"[A-Za-z_]\w*")
+_HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+_ESCAPES = {'"': '"', "'": "'", "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _loads_lenient(body: str, close_at_end: bool) -> tuple[object, list[str]]:
+    """The first JSON object in `body`, forgiving common mistakes -> (value, what was repaired).
+
+    Raises ValueError when even that fails. Text before the object and after it is ignored (and
+    reported: a code fence, usually).
+    """
+    start = body.find("{")
+    if start < 0:
+        raise ValueError("no JSON object")
+    reader = _LenientJSON(body, start, close_at_end)
+    before = body[:start].strip()
+    if before:
+        reader.repair("a code fence around the JSON" if before.startswith("```") else "text before the JSON")
+    value = reader.value(0)
+    after = body[reader.i:].strip()
+    if after:
+        reader.repair("a code fence around the JSON" if after.startswith("```") else "text after the JSON")
+    return value, reader.repairs
+
+
+class _LenientJSON:
+    """A forgiving recursive-descent JSON reader. Linear time: each character is consumed once, by a
+    regex without alternation or by one step; steps (values, keys, escapes) and depth are capped."""
+    MAX_DEPTH = 64
+
+    def __init__(self, s: str, i: int, close_at_end: bool):
+        self.s, self.i = s, i           # the text and the read position
+        self.close_at_end = close_at_end  # may the end of the text close the open brackets
+        self.repairs: list[str] = []    # what was forgiven, in order, without repeats
+        self.steps = 0                  # values, keys and escapes read so far (MAX_REPAIR_STEPS at most)
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_REPAIR_STEPS:
+            self.fail("too long to repair")
+
+    def repair(self, what: str) -> None:
+        if what not in self.repairs:
+            self.repairs.append(what)
+
+    def peek(self) -> str:
+        self.i = _WS.match(self.s, self.i).end()
+        return self.s[self.i] if self.i < len(self.s) else ""
+
+    def fail(self, what: str):
+        raise ValueError(f"{what} at char {self.i}")
+
+    def value(self, depth: int):
+        self.step()
+        if depth > self.MAX_DEPTH:
+            self.fail("nested too deeply")
+        c = self.peek()
+        if c == "{" or c == "[":
+            return self.container(depth, c == "{")
+        if c == '"' or c == "'":
+            return self.string()
+        m = _NUMBER_RE.match(self.s, self.i)
+        if m:
+            self.i = m.end()
+            return float(m.group()) if any(x in m.group() for x in ".eE") else int(m.group())
+        m = _WORD_RE.match(self.s, self.i)
+        if m and m.group() in _LITERALS:
+            if m.group()[0].isupper():
+                self.repair("Python literals")
+            self.i = m.end()
+            return _LITERALS[m.group()]
+        self.fail(f"unexpected {c!r}" if c else "unexpected end")
+
+    def container(self, depth: int, is_object: bool):
+        close, out = ("}", {}) if is_object else ("]", [])
+        self.i += 1
+        while True:
+            c = self.peek()
+            if c == close:
+                self.i += 1
+                return out
+            if not c:
+                if not self.close_at_end:
+                    self.fail("unexpected end")
+                self.repair("missing closing brackets")
+                return out
+            if is_object:
+                key = self.key()
+                if self.peek() != ":":
+                    self.fail("expected ':'")
+                self.i += 1
+                out[key] = self.value(depth + 1)
+            else:
+                out.append(self.value(depth + 1))
+            c = self.peek()
+            if c == ",":
+                self.i += 1
+                if self.peek() == close:
+                    self.repair("trailing commas")
+            elif c and c != close:
+                self.fail(f"expected ',' or '{close}'")
+
+    def key(self) -> str:
+        self.step()
+        if self.peek() in ('"', "'"):
+            return self.string()
+        m = _WORD_RE.match(self.s, self.i)
+        if not m:
+            self.fail("expected a key")
+        self.repair("unquoted keys")
+        self.i = m.end()
+        return m.group()
+
+    def string(self) -> str:
+        quote = self.s[self.i]
+        if quote == "'":
+            self.repair("single quotes")
+        self.i += 1
+        parts = []
+        while True:
+            run = _STRING_RUN[quote].match(self.s, self.i).group()
+            if _CONTROL.search(run):
+                self.repair("raw control characters (newlines, tabs) in strings")
+            parts.append(run)
+            self.i += len(run)
+            if self.i >= len(self.s):
+                self.fail("unterminated string")
+            if self.s[self.i] == quote:
+                self.i += 1
+                return "".join(parts)
+            self.step()
+            escape = self.s[self.i + 1:self.i + 2]     # self.s[self.i] is a backslash
+            if escape == "u" and _HEX4.fullmatch(self.s, self.i + 2, self.i + 6):
+                code = int(self.s[self.i + 2:self.i + 6], 16)
+                self.i += 6
+                low = self.s[self.i + 2:self.i + 6] if self.s.startswith("\\u", self.i) else ""
+                if 0xD800 <= code < 0xDC00 and _HEX4.fullmatch(low) and 0xDC00 <= int(low, 16) < 0xE000:
+                    code = 0x10000 + ((code - 0xD800) << 10) + (int(low, 16) - 0xDC00)  # a surrogate pair
+                    self.i += 6
+                parts.append(chr(code))
+            elif escape in _ESCAPES:
+                parts.append(_ESCAPES[escape])
+                self.i += 2
+            elif not escape:
+                self.fail("unterminated string")
+            else:                                      # \x, \d ... : kept as written (likely code)
+                self.repair("invalid escapes")
+                parts.append("\\" + escape)
+                self.i += 2
 
 
 # -----------------------------------------------------------------------------

@@ -211,7 +211,7 @@ def test_parse_well_formed():
 
 
 @pytest.mark.parametrize("text,n_ok,needle", [
-    ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', 0, "invalid JSON"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', 1, "invalid JSON"),    # repaired, reported
     ('<tool_call>{"arguments": {"a": 1}}</tool_call>', 0, "without a name"),
     ('<tool_call>{"name": "", "arguments": {}}</tool_call>', 0, "without a name"),
     ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', 0, "not an object"),
@@ -220,7 +220,7 @@ def test_parse_well_formed():
     ('<tool_call>["add"]</tool_call>', 0, "not an object"),
     ('<tool_call>\n{"name": "add", "arguments": {"a"', 0, "not closed"),
     ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then </tool_call>', 1, "stray"),
-    ('<tool_call>{"name": "a"} <tool_call>{"name": "b"}</tool_call>', 1, "not closed before"),
+    ('<tool_call>{"name": "a"} <tool_call>{"name": "b"}</tool_call>', 2, "not closed before"),  # complete JSON
     ('<tool_call>{"name": "ok", "arguments": {}}</tool_call><tool_call>{bad}</tool_call>', 1, "invalid JSON"),
 ])
 def test_parse_errors(text, n_ok, needle):

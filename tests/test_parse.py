@@ -1,0 +1,277 @@
+"""Tests for agent.py's tool-call parsing on bad model output: hand-written cases for each kind of damage,
+parity of the repairing reader with json.loads on valid JSON, and property-based tests (hypothesis) over
+random and mutated tool calls: no exception escapes, time stays bounded, assistant_message always
+re-renders to the text it came from. The oracle for what a call should be is the call the text was
+made from (or json.loads, for the parity test), never the parser's own output.
+"""
+import json
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import agent
+import env as env_module
+from agent import MAX_BLOCKS, MAX_PARSE_CHARS, _loads_lenient, assistant_message, make_action, parse_tool_calls, render
+from env import ToolCall
+
+U = {"role": "user", "content": "What is 2 + 3?"}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+BOUND_S = 0.05  # "a few milliseconds", with room for a loaded 2-core CI machine
+
+
+def block(body: str) -> str:
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def canonical(name: str, arguments: dict) -> str:
+    return block(json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False))
+
+
+def rerenders(text: str) -> bool:
+    """render() of assistant_message(text) writes back exactly `text` (qwen2.5)."""
+    prompt = render([U], TOOLS, add_generation_prompt=True)
+    return render([U, assistant_message(text)], TOOLS) == prompt + text + "<|im_end|>\n"
+
+
+def timed_parse(text: str):
+    start = time.perf_counter()
+    calls, error = parse_tool_calls(text)
+    return calls, error, time.perf_counter() - start
+
+
+# -----------------------------------------------------------------------------
+# well-formed: exactly as before
+
+def test_well_formed_calls_are_unchanged():
+    text = "Let me add.\n" + canonical("add", {"a": 2, "b": 3}) + "\n" + canonical("lookup", {"word": "café"})
+    calls, error = parse_tool_calls(text)
+    assert error is None and calls == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("lookup", {"word": "café"})]
+    assert assistant_message(text) == {"role": "assistant", "content": "Let me add.", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+        {"type": "function", "function": {"name": "lookup", "arguments": {"word": "café"}}}]}
+    assert rerenders(text)
+
+
+def test_well_formed_but_not_canonical_stays_in_content():
+    # parsed as a call, but kept verbatim in the message, so the conversation re-renders to what was sampled
+    for text in ['<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',                 # no newlines
+                 canonical("add", {"a": 1}) + "\nand some text after",                           # not at the end
+                 '<tool_call>\n{"tool": "add", "args": {"a": 1}}\n</tool_call>',                  # aliases
+                 '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>']:      # a JSON string
+        calls, error = parse_tool_calls(text)
+        assert calls == [ToolCall("add", {"a": 1})] and error is None
+        assert assistant_message(text) == {"role": "assistant", "content": text} and rerenders(text)
+
+
+# -----------------------------------------------------------------------------
+# damaged calls that can still be read: the call is recovered, the damage is reported
+
+CODE = "x = 1\nprint(x)"
+RECOVERABLE = [
+    # (text, the call it must give, a word of the error)
+    (block('```json\n{"name": "add", "arguments": {"a": 1}}\n```'), ("add", {"a": 1}), "code fence"),
+    ('<tool_call>```\n{"name": "add", "arguments": {"a": 1}}```</tool_call>', ("add", {"a": 1}), "code fence"),
+    (block('{"name": "add", "arguments": {"a": 1, "b": 2,},}'), ("add", {"a": 1, "b": 2}), "trailing commas"),
+    (block('{"name": "f", "arguments": {"xs": [1, 2, ], }}'), ("f", {"xs": [1, 2]}), "trailing commas"),
+    (block("{'name': 'add', 'arguments': {'a': 1}}"), ("add", {"a": 1}), "single quotes"),
+    (block("{'name': 'say', 'arguments': {'text': 'it\\'s \"quoted\"'}}"), ("say", {"text": "it's \"quoted\""}),
+     "single quotes"),
+    (block('{"name": "f", "arguments": {"x": True, "y": None, "z": False}}'), ("f", {"x": True, "y": None, "z": False}),
+     "Python literals"),
+    (block('{"name": "python_eval", "arguments": {"code": "x = 1\nprint(x)"}}'), ("python_eval", {"code": CODE}),
+     "raw control characters"),
+    (block('{"name": "add", "arguments": {"a": 1}'), ("add", {"a": 1}), "missing closing brackets"),
+    (block('{"name": "add", "arguments": {"a": [1, 2'), ("add", {"a": [1, 2]}), "missing closing brackets"),
+    (block('{"name": "add", "arguments": {"a": 1}}}'), ("add", {"a": 1}), "text after the JSON"),
+    (block('Calling add: {"name": "add", "arguments": {"a": 1}}'), ("add", {"a": 1}), "text before the JSON"),
+    (block('{name: "add", arguments: {a: 1}}'), ("add", {"a": 1}), "unquoted keys"),
+    (block('{"name": "add", "arguments": "{\'a\': 1}"}'), ("add", {"a": 1}), "single quotes"),     # a JSON string
+    (block('{"name": "python_eval", "arguments": {"code": "re.findall(\'\\d+\', s)",}}'),
+     ("python_eval", {"code": "re.findall('\\d+', s)"}), "invalid escapes"),
+    (block('{"name": "f", "arguments": {"s": "\\ud83d\\ude00 \\u00e9 \\n",}}'), ("f", {"s": "\U0001F600 é \n"}),
+     "trailing commas"),
+    # braces and quotes inside strings do not confuse the reader
+    (block("{'name': 'python_eval', 'arguments': {'code': 'd = {\"a\": \"}}\"}; print(\"{\")'}}"),
+     ("python_eval", {"code": 'd = {"a": "}}"}; print("{")'}), "single quotes"),
+    # a missing </tool_call> at the end (a generation cut by max_tokens): the call if its JSON is complete
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n', ("add", {"a": 1}), "not closed (truncated"),
+    ('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}', ("add", {"a": 1}), "not closed (truncated"),
+]
+
+
+@pytest.mark.parametrize("text, expected, needle", RECOVERABLE)
+def test_damaged_calls_are_recovered_and_reported(text, expected, needle):
+    calls, error, seconds = timed_parse(text)
+    assert calls == [ToolCall(*expected)] and error is not None and needle in error, error
+    assert seconds < BOUND_S
+    action = make_action(text)
+    assert action.tool_calls == (ToolCall(*expected),) and action.parse_error == error
+    assert assistant_message(text) == {"role": "assistant", "content": text}  # verbatim: it was not canonical
+
+
+UNREADABLE = [
+    ('<tool_call>\n{"name": "add", "arguments": {"a"', "not closed"),                      # cut inside the JSON
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}', "not closed"),                # cut: no closing added
+    ('<tool_call>\n{"name": "python_eval", "arguments": {"code": "print(1', "not closed"),  # never run cut code
+    (block('{"name": "add", "arguments": [1, 2]}'), "not an object"),
+    (block('{"name": "add", "arguments": 5}'), "not an object"),
+    (block('{"name": "add", "arguments": "1 + 1"}'), "not valid JSON"),
+    (block('{"name": "add", "arguments": "[1]"}'), "not an object"),
+    (block('"add"'), "not an object"),
+    (block('{"arguments": {"a": 1}}'), "without a name"),
+    (block('{"name": 7, "arguments": {}}'), "without a name"),
+    (block('{"name": "' + "n" * 100 + '", "arguments": {}}'), "longer than"),
+    (block('{"name": "add" "arguments": {}}'), "invalid JSON"),                         # a missing comma
+    (block('{"name": "add", "arguments": {"a": 1}} {"name": "b"'), None),  # extra text: first object only
+    (block(""), "invalid JSON"), (block("hello"), "invalid JSON"),
+]
+
+
+@pytest.mark.parametrize("text, needle", UNREADABLE)
+def test_unreadable_calls_are_reported(text, needle):
+    calls, error, seconds = timed_parse(text)
+    assert error is not None and seconds < BOUND_S
+    if needle is None:
+        assert calls == [ToolCall("add", {"a": 1})]
+    else:
+        assert calls == [] and needle in error, error
+    assert assistant_message(text) == {"role": "assistant", "content": text}
+
+
+def test_several_calls_in_one_message_mixed():
+    text = ("First.\n" + canonical("add", {"a": 1}) + "\nthen " + block("{'name': 'add', 'arguments': {'a': 2}}")
+            + "\n" + block('{"name": "add", "arguments": [3]}') + "\n" + canonical("teleport", {"to": "mars"}))
+    calls, error = parse_tool_calls(text)
+    assert calls == [ToolCall("add", {"a": 1}), ToolCall("add", {"a": 2}), ToolCall("teleport", {"to": "mars"})]
+    assert "single quotes" in error and "not an object" in error
+    msg = assistant_message(text)  # only the canonical run at the end leaves the content
+    assert msg["tool_calls"] == [{"type": "function", "function": {"name": "teleport", "arguments": {"to": "mars"}}}]
+    assert rerenders(text)
+
+
+def test_unknown_tool_parses_and_the_env_reports_it():
+    text = canonical("teleport", {"to": "mars"})
+    assert parse_tool_calls(text) == ([ToolCall("teleport", {"to": "mars"})], None)
+    toy = env_module.make_env("toy_math")
+    state, _ = toy.reset(toy.sample_tasks("train", 1, seed=0)[0], seed=0)
+    state, obs, reward, done, info = toy.step(state, make_action(text))
+    assert obs[0]["content"].startswith("Error: unknown tool 'teleport'") and info["tool_errors"] == 1
+
+
+def test_recovered_call_runs_in_the_env():
+    toy = env_module.make_env("toy_math")
+    state, _ = toy.reset(toy.sample_tasks("train", 1, seed=0)[0], seed=0)
+    action = make_action("<tool_call>\n{'name': 'python_eval', 'arguments': {'code': '12 * 7'}}\n</tool_call>")
+    state, obs, reward, done, info = toy.step(state, action)
+    assert obs[0] == {"role": "tool", "name": "python_eval", "content": "84"}
+    assert obs[1]["name"] == "error" and "single quotes" in obs[1]["content"]
+    assert (state.parse_failures, state.tool_calls, done) == (1, 1, False)
+
+
+def test_limits_on_size_and_count():
+    many = "\n".join(canonical("add", {"a": i}) for i in range(MAX_BLOCKS + 5))
+    calls, error = parse_tool_calls(many)
+    assert len(calls) == MAX_BLOCKS and f"more than {MAX_BLOCKS} tool calls" in error
+    # very long arguments: fine when well formed, an error (not a hang) when not
+    long_code = "x" * 50_000
+    assert parse_tool_calls(canonical("python_eval", {"code": long_code})) == (
+        [ToolCall("python_eval", {"code": long_code})], None)
+    calls, error, seconds = timed_parse(block('{"name": "python_eval", "arguments": {"code": "' + long_code + '",}}'))
+    assert calls == [] and "too long to repair" in error and seconds < BOUND_S
+    calls, error = parse_tool_calls("x" * MAX_PARSE_CHARS + canonical("add", {}))
+    assert calls == [] and "longer than" in error
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>" * 50_000, "</tool_call>" * 50_000, "<tool_call>{" * 30_000 + "</tool_call>",
+    block("[" * 19_000), block("{'a':" * 5_000), block("[" * 100_000), block('"' * 19_000),
+    block("{'k': [" + "'a'," * 4_900 + "]}"), block('{"s": "' + "\\d" * 9_000 + '",}'),
+    block("{" + "'a': 1, " * 2_400 + "}"), "x" * 1_000_000, "<tool_call>" + "\\" * 99_000,
+    "<tool_call>\n" + '{"name": "a", "arguments": {"code": "' + "\\n" * 40_000 + '"}}',
+])
+def test_adversarial_inputs_take_milliseconds(text):
+    best = min(timed_parse(text)[2] for _ in range(3))   # the best of three: the machine may be busy
+    assert best < BOUND_S
+    assert rerenders(text) or len(text) > 200_000        # (rendering megabytes is not what is timed here)
+
+
+# -----------------------------------------------------------------------------
+# the repairing reader agrees with json.loads wherever json.loads succeeds
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4), st.booleans())
+def test_lenient_reader_matches_json_on_valid_json(obj, indent):
+    text = json.dumps(obj, indent=2 if indent else None, ensure_ascii=bool(indent))
+    value, repairs = _loads_lenient(text, close_at_end=False)
+    assert value == json.loads(text) and repairs == []
+
+
+# -----------------------------------------------------------------------------
+# properties over random and mutated tool calls
+
+NAMES = st.sampled_from(["add", "python_eval", "finish", "teleport", "x" * 70]) | st.text(min_size=1, max_size=12)
+ARGUMENTS = st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4)
+NASTY = ["{", "}", "[", "]", '"', "'", ",", ":", "\\", "\n", "```", "<tool_call>", "</tool_call>", "True", "null",
+         "\\u", "\\ud83d", "é", "<|im_end|>", " "]
+
+
+@st.composite
+def messages(draw):
+    """A message made of optional text and canonical calls, then damaged by a few random edits."""
+    parts, calls = [], []
+    if draw(st.booleans()):
+        parts.append(draw(st.text(max_size=30)))
+    for _ in range(draw(st.integers(0, 3))):
+        name, arguments = draw(NAMES), draw(ARGUMENTS)
+        calls.append(ToolCall(name, arguments))
+        parts.append(agent._tool_call_text({"name": name, "arguments": arguments}))
+    text = "\n".join(parts)
+    # names go into the JSON unescaped (as render() writes them), tags inside a string end the block early
+    readable = "tool_call>" not in text.replace("<tool_call>\n{", "").replace("}\n</tool_call>", "") and all(
+        json.dumps(c.name, ensure_ascii=False) == f'"{c.name}"' and len(c.name) <= agent.MAX_NAME_CHARS for c in calls)
+    edits = draw(st.lists(st.tuples(st.sampled_from(["insert", "delete", "truncate", "quote", "duplicate"]),
+                                    st.integers(0, 10**6), st.sampled_from(NASTY)), max_size=4))
+    for op, where, piece in edits:
+        i = where % (len(text) + 1)
+        if op == "insert":
+            text = text[:i] + piece + text[i:]
+        elif op == "delete":
+            text = text[:i] + text[i + len(piece):]
+        elif op == "truncate":
+            text = text[:i]
+        elif op == "quote":
+            text = text.replace('"', "'", 1 + where % 3)
+        else:
+            text = text[:i] + text[i:i + 40] + text[i:]
+    return text, calls, readable and not edits
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages())
+def test_parse_mutated_calls_never_raises_and_stays_fast(message):
+    text, calls_made, intact = message
+    calls, error, seconds = timed_parse(text)
+    assert seconds < BOUND_S
+    assert all(isinstance(c, ToolCall) and isinstance(c.name, str) and isinstance(c.arguments, dict) for c in calls)
+    assert error is None or isinstance(error, str)
+    assert rerenders(text)                                  # whatever the damage, no drift on re-rendering
+    if intact:                                               # undamaged: exactly the calls it was made from
+        assert (calls, error) == (calls_made, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(NASTY + ["a", "1", '"name"', '"arguments"', ":", " "]), max_size=60).map(
+    lambda pieces: "<tool_call>" + "".join(pieces)))
+def test_parse_random_bodies_never_raises(text):
+    calls, error, seconds = timed_parse(text)
+    assert seconds < BOUND_S and rerenders(text)
+    assert (error is None and calls) or isinstance(error, str)  # silence only for a clean call
