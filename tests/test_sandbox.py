@@ -10,6 +10,7 @@ Every call starts a fresh interpreter (~50 ms); the slowest tests wait for a 1 s
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -42,13 +44,19 @@ def canary_file(tmp_path):
 
 
 @pytest.fixture
-def open_dir(tmp_path):
-    """A directory anyone may write to: if a marker appears in it, no file permission stopped it."""
-    path = tmp_path / "open"
-    path.mkdir()
+def open_dir():
+    """A directory anyone may reach and write to (pytest's tmp_path sits under a 0700 directory): when a
+    marker does not appear in it, no file permission is what stopped it."""
+    path = Path(tempfile.mkdtemp(prefix="nano-skyrl-test-"))
     path.chmod(0o777)
-    tmp_path.chmod(0o755)
-    return path
+    yield path
+    shutil.rmtree(path)
+
+
+def test_open_dir_is_writable_by_the_sandbox_user(open_dir):
+    # the control for the marker tests below: the process layer alone *can* write there
+    text, kind = execute_python(f"open({str(open_dir / 'control')!r}, 'w').write('x')", _policy=False)
+    assert kind is None and (open_dir / "control").exists()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,7 +110,7 @@ def test_cannot_write_outside_its_directory(open_dir):
                  "open('../" + "../" * 10 + str(marker).lstrip("/") + "', 'w')", "open('/dev/shm/nano-marker', 'w')",
                  "open(1, 'w').write('forged reply')"]:
         text, kind = execute_python(code)
-        assert kind == "error" and "PermissionError" in text, (code, text)
+        assert kind == "error" and "not allowed in the sandbox" in text, (code, text)
     assert not marker.exists() and not os.path.exists("/dev/shm/nano-marker")
 
 
@@ -154,7 +162,7 @@ def test_no_new_processes_even_without_the_policy_layers(open_dir):
     text, kind = execute_python("import os\nos.fork()", _policy=False)
     assert kind == "error" and "BlockingIOError" in text
     text, kind = execute_python(f"import os\nprint(os.system('touch {marker}'))", _policy=False)
-    assert not marker.exists()
+    assert int(text) != 0 and not marker.exists()  # system() could not start a shell (glibc: 127 << 8)
     assert not marker.exists()
     text, kind = execute_python("import _thread\n_thread.start_new_thread(print, ('hi',))", _policy=False)
     assert kind == "error" and "can't start new thread" in text
@@ -175,12 +183,6 @@ def test_nothing_survives_a_call():
     assert kind == "error" and "FileNotFoundError" in text
     execute_python("open('x', 'w').write('1')\nwhile True: pass", timeout_s=0.5)
     assert _workdirs() == before  # every working directory was removed, after a timeout too
-
-
-def test_cannot_write_into_the_next_calls_directory():
-    # the program only ever sees relative paths inside its own directory; it cannot name another one
-    text, kind = execute_python("open('/tmp/nano-skyrl-py-next/program.py', 'w')")
-    assert kind == "error" and "PermissionError" in text
 
 
 # ---------------------------------------------------------------------------------------------------
