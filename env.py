@@ -538,17 +538,16 @@ def _exec_child_main(limits: dict, policy: bool = True) -> None:
             os._exit(3)
     if policy:
         text, kind = _exec_program(code, limits["max_chars"], limits["max_code_chars"])
-    else:
+    else:  # tests only: the process layer, bare
         import contextlib
         import io
-        out = io.StringIO()
-        kind = None
+        out, kind, error = io.StringIO(), None, ""
         with contextlib.redirect_stdout(out):
             try:
                 exec(code, {"__name__": "__main__"})
             except BaseException as e:
-                kind, out = "error", io.StringIO(out.getvalue() + f"Error: {type(e).__name__}: {e}")
-        text = out.getvalue()[:limits["max_chars"]].rstrip("\n") or "(no output)"
+                kind, error = "error", f"Error: {type(e).__name__}: {e}"
+        text = (out.getvalue() + error)[:limits["max_chars"]].rstrip("\n") or "(no output)"
     os.write(1, (json.dumps({"text": text, "kind": kind}) + "\n").encode())
     os._exit(0)  # no interpreter shutdown: no finalizer of the program's objects runs after the reply
 
