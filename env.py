@@ -13,39 +13,30 @@ Env object serves any number of episodes at once. The agent loop, not the env, e
 
 Contents, top to bottom:
   1. Types that cross the file boundary: ToolCall, Action, Task, EnvState.
-  2. The python_eval sandbox: a static AST check plus one persistent, resource-limited worker process.
-  3. The python_exec sandbox (`run_python`, `execute_python`): a whole program in a fresh process per
-     call, resource-limited, as an unprivileged user, behind an AST check and an audit hook.
-  4. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
+  (The two Python sandboxes behind python_eval and python_exec live in sandbox.py.)
+  2. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
      python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
-  5. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
-  6. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
+  3. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
+  4. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
      `@register_env`, `make_env`.
-  7. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
+  5. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 
 POSIX only (the sandbox uses process groups and resource limits).
 """
 import ast
-import atexit
 import hashlib
-import inspect
-import json
 import math
-import os
 import random
 import re
-import select
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+
+# The sandboxes; re-exported so `env.run_python` and friends stay where users look for them.
+from sandbox import (SANDBOX, ExecLimits, PythonSandbox, check_code, check_program,  # noqa: F401
+                     execute_python, run_python)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -105,546 +96,9 @@ def assistant_message(content: str, tool_calls: list[ToolCall] = ()) -> dict:
     return message
 
 
-# ----------------------------------------------------------------------------------------------------
-# 2. The python_eval sandbox
-#
-# What it promises:
-#   - A snippet cannot import, touch any attribute except math.<public name> (this is what closes the
-#     classic escapes: ().__class__.__base__.__subclasses__(), "{0.__class__}".format(x), gen.gi_frame),
-#     name anything starting with "__", or call anything but SAFE_BUILTINS, math functions and functions
-#     it defines itself. This is checked statically twice: here, before sending, and again inside the
-#     worker, so the worker stays safe even when someone talks to it directly.
-#   - Inside the worker the snippet's builtins are only SAFE_BUILTINS: open, exec, eval, getattr,
-#     __import__ ... do not exist at run time, whatever the AST check might have missed.
-#   - Runaway code is stopped: a wall-clock timeout (the parent kills the worker's process group and
-#     starts a fresh worker on the next call), RLIMIT_CPU as a backstop if the parent is gone,
-#     RLIMIT_AS = 1 GiB (a memory bomb becomes a MemoryError).
-#   - Every failure comes back as short "Error: ..." text, never as an exception.
-# What it does NOT promise (a hardened sandbox, e.g. containers + seccomp, is a later issue):
-#   - Safety against a determined attacker: the worker runs as our user, with our filesystem and
-#     network; a bug in CPython or in the check is an escape.
-#   - Isolation between snippets beyond a fresh namespace: they share one interpreter.
-#
-# Why one persistent worker: RL runs ~100 snippets per step on 2 cores; starting an interpreter per
-# snippet costs ~20-50 ms each, a JSON line to a live worker ~0.1 ms.
-
-SAFE_BUILTINS = ("abs", "min", "max", "sum", "round", "int", "float", "str", "len", "range", "pow", "divmod",
-                 "sorted", "list", "tuple", "set", "dict", "bool", "enumerate", "zip", "any", "all", "print")
-MAX_CODE_CHARS = 4000  # longer snippets are refused before parsing (the parser is the first thing exposed)
-
-
-def check_code(code: str) -> str | None:
-    """Why `code` may not run (a syntax error or a policy violation), or None when it may.
-
-    Policy: no import; attribute access only as math.<public name>; calls only to SAFE_BUILTINS, math
-    functions and functions defined in the snippet; no name starting with "__".
-    This function is also sent to the worker (WORKER_SRC), so it uses only `ast`, `math` and the constants.
-    """
-    if len(code) > MAX_CODE_CHARS:
-        return f"code longer than {MAX_CODE_CHARS} characters"
-    try:
-        tree = ast.parse(code)
-    except SyntaxError as e:
-        return f"SyntaxError: {e.msg} (line {e.lineno})"
-    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
-        return f"cannot parse: {type(e).__name__}"
-    math_names = {n for n in dir(math) if not n.startswith("_")}
-    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            return "import is not allowed (math is already imported)"
-        if isinstance(node, ast.Name) and node.id.startswith("__"):
-            return f"the name {node.id} is not allowed"
-        if isinstance(node, ast.Attribute) and not (
-                isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in math_names):
-            return f"attribute access .{node.attr} is not allowed (only math.<function>)"
-        if isinstance(node, ast.Call) and not isinstance(node.func, ast.Attribute):  # math.f: checked above
-            if not (isinstance(node.func, ast.Name) and (node.func.id in SAFE_BUILTINS or node.func.id in defined)):
-                what = node.func.id if isinstance(node.func, ast.Name) else "this expression"
-                return f"calling {what} is not allowed"
-    return None
-
-
-def _run_snippet(code: str, max_chars: int) -> tuple[str, str | None]:
-    """Worker side: check and run one snippet in a fresh namespace -> (text, error kind or None).
-
-    REPL-like: the text is the printed output followed by repr() of the last statement's value when the
-    last statement is an expression (and not None); "(no output)" when both are empty.
-    """
-    import builtins
-    import contextlib
-    import io
-    refusal = check_code(code)
-    if refusal is not None:
-        return "Error: " + refusal, "refused"
-    namespace = {"__builtins__": {n: getattr(builtins, n) for n in SAFE_BUILTINS}, "math": math}
-    printed = io.StringIO()
-    try:
-        tree = ast.parse(code)
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        with contextlib.redirect_stdout(printed):
-            exec(compile(tree, "<python_eval>", "exec"), namespace)
-            value = eval(compile(ast.Expression(last.value), "<python_eval>", "eval"), namespace) if last else None
-        text = printed.getvalue() + (repr(value) if value is not None else "")
-        text, kind = (text.rstrip("\n") or "(no output)"), None
-    except Exception as e:  # MemoryError and RecursionError included
-        text, kind = f"Error: {type(e).__name__}" + (f": {e}" if str(e) else ""), "error"
-    if len(text) > max_chars:
-        text = text[:max_chars] + f"... [truncated, {len(text)} chars in all]"
-    return text, kind
-
-
-def _worker_main(memory_bytes: int, max_chars: int) -> None:
-    """Worker side: apply resource limits, then answer one JSON line per request line until stdin closes.
-
-    Request {"code": str, "cpu_seconds": float}; reply {"text": str, "kind": str | None}.
-    """
-    import json
-    import resource
-    import sys
-    _, as_hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = memory_bytes if as_hard == resource.RLIM_INFINITY else min(memory_bytes, as_hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, as_hard))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    _, cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)
-    channel = sys.stdout  # replies go here; the snippets' print() goes to a buffer (redirect_stdout)
-    for line in sys.stdin:
-        request = json.loads(line)
-        # RLIMIT_CPU counts the worker's whole life, so move the soft limit to "used so far + budget"
-        # before each snippet: SIGXCPU kills us past it even if the parent cannot enforce its timeout.
-        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        soft = int(used + request["cpu_seconds"]) + 1
-        if cpu_hard != resource.RLIM_INFINITY:
-            soft = min(soft, cpu_hard)
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
-        text, kind = _run_snippet(request["code"], max_chars)
-        channel.write(json.dumps({"text": text, "kind": kind}) + "\n")
-        channel.flush()
-
-
-# The worker program: the functions above, sent as source, so it is the same code the tests read.
-WORKER_SRC = "\n".join([
-    "import ast, math",
-    f"SAFE_BUILTINS = {SAFE_BUILTINS!r}",
-    f"MAX_CODE_CHARS = {MAX_CODE_CHARS!r}",
-    inspect.getsource(check_code),
-    inspect.getsource(_run_snippet),
-    inspect.getsource(_worker_main),
-])
-
-
-class PythonSandbox:
-    """One persistent worker process (`python -I -S -c WORKER_SRC`) that runs snippets, one at a time.
-
-    `run` is thread-safe (a lock around each request/reply) and never raises for a bad snippet.
-    """
-
-    def __init__(self, timeout: float = 2.0, memory_bytes: int = 1 << 30, max_chars: int = 500):
-        self.timeout = timeout            # wall-clock seconds per snippet
-        self.memory_bytes = memory_bytes  # RLIMIT_AS of the worker
-        self.max_chars = max_chars        # result text is cut here, with a visible marker
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._owner_pid = os.getpid()     # after a fork the child must not reuse our worker's pipes
-        self._pending = b""               # bytes read past the last reply line
-        atexit.register(self.close)
-
-    def run(self, code: str, timeout: float | None = None) -> tuple[str, str | None]:
-        """Run `code` -> (text, error kind): kind is None, "refused", "error" or "timeout"."""
-        timeout = self.timeout if timeout is None else timeout
-        refusal = check_code(code)  # refuse early, without a round trip (the worker checks again)
-        if refusal is not None:
-            return "Error: " + refusal, "refused"
-        with self._lock:
-            try:
-                proc = self._ensure_worker()
-                proc.stdin.write((json.dumps({"code": code, "cpu_seconds": timeout + 1.0}) + "\n").encode())
-                proc.stdin.flush()
-                reply = json.loads(self._read_line(time.monotonic() + timeout))
-                return reply["text"], reply["kind"]
-            except TimeoutError:  # before OSError: TimeoutError is an OSError
-                self._kill()
-                return f"Error: timed out after {timeout:g} s", "timeout"
-            except (OSError, EOFError, ValueError):  # the worker died (memory/CPU limit) or spoke garbage
-                self._kill()
-                return "Error: the Python worker crashed (memory or CPU limit?)", "error"
-
-    def close(self) -> None:
-        """Kill the worker (registered with atexit; the next `run` would start a new one)."""
-        with self._lock:
-            self._kill()
-
-    def _ensure_worker(self) -> subprocess.Popen:
-        if self._owner_pid != os.getpid():  # we are a forked copy: forget the parent's worker, don't kill it
-            self._proc, self._pending, self._owner_pid = None, b"", os.getpid()
-        if self._proc is None or self._proc.poll() is not None:
-            self._kill()
-            src = WORKER_SRC + f"\n_worker_main({self.memory_bytes}, {self.max_chars})\n"
-            # -I: ignore PYTHON* env vars and the user's site dir; -S: skip site. start_new_session: own
-            # process group, so we can kill everything it is running and Ctrl-C in a terminal does not reach it.
-            self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", src], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
-        return self._proc
-
-    def _read_line(self, deadline: float) -> bytes:
-        """One reply line from the worker; TimeoutError past `deadline`, EOFError if it died."""
-        fd = self._proc.stdout.fileno()
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise EOFError
-            self._pending += chunk
-        line, _, self._pending = self._pending.partition(b"\n")
-        return line
-
-    def _kill(self) -> None:
-        proc, self._proc, self._pending = self._proc, None, b""
-        if proc is None or self._owner_pid != os.getpid():  # a forked copy never kills its parent's worker
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid (start_new_session)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        proc.stdin.close()
-        proc.stdout.close()
-
-
-SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool; started on first use
-
 
 # ----------------------------------------------------------------------------------------------------
-# 3. The python_exec sandbox: a whole program, in a fresh isolated process per call
-#
-# python_eval (above) is a calculator in one long-lived worker: fast, and limited to expressions over
-# math. python_exec runs a whole program (imports, loops, files) and treats it as hostile. Each call
-# gets a new interpreter that inherits nothing and leaves nothing behind. Layers, outermost first; the
-# tests (tests/test_sandbox.py) check each threat against the whole stack and the process layer alone:
-#   1. The process. `python -I -S` (no PYTHON* variables, no site-packages) with an empty environment,
-#      in a fresh temporary directory deleted afterwards, in its own process group, which the parent
-#      kills whole at the wall-clock deadline. Before it reads the program it sets hard limits (CPU
-#      seconds, address space, file size, open files, zero new processes, no core file) and, when we
-#      run as root, drops to nobody:nogroup: a limit on the number of processes does not bind root.
-#      It drops after the interpreter has started (and not in Popen's preexec_fn, which may deadlock
-#      in a threaded parent) but before a byte of the program is read: the same guarantee.
-#   2. The interpreter. Only ALLOWED_MODULES can be imported. They are loaded before the program is
-#      read, and the program gets a copy of their public names without module objects (so no
-#      `fractions.sys`) and without getattr-by-string helpers (operator.attrgetter). Builtins are a
-#      short list: no eval, exec, compile, getattr, type, input, breakpoint, __import__ of our own.
-#      Then an audit hook (PEP 578, sys.addaudithook) refuses every runtime event but one exec (the
-#      program's) and open() of a relative path inside the working directory: any import, os.*,
-#      socket.*, subprocess.*, ctypes, gi_frame / tb_frame / sys._getframe raise PermissionError.
-#   3. The program text. An AST check refuses imports outside ALLOWED_MODULES, names starting with
-#      "__", attributes starting with "_" or naming frames and code (gi_frame, f_globals, ...), and
-#      class definitions, before a process is started (and once more inside it).
-# Errors, refusals and timeouts come back as short "Error: ..." text, never as exceptions.
-# What it does NOT promise: it is not a security boundary against a determined attacker. There is no
-# seccomp filter, no network namespace, no chroot. An escape from layers 2-3 (a CPython bug, an
-# audit-hook gap in some C code) leaves only layer 1: nobody's rights, which still include reading
-# world-readable files and opening sockets. Put the trainer in a container or VM when that matters.
-
-ALLOWED_MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools", "operator",
-                   "collections", "heapq", "bisect", "random", "re", "json")
-_HIDDEN_MEMBERS = ("attrgetter", "methodcaller")  # operator's getattr-by-string: a way around the AST check
-EXEC_BUILTINS = SAFE_BUILTINS + (
-    "isinstance", "reversed", "map", "filter", "chr", "ord", "hex", "bin", "oct", "format", "repr", "iter", "next",
-    "slice", "frozenset", "complex", "hash", "callable", "open",
-    "Exception", "ArithmeticError", "AssertionError", "AttributeError", "FileNotFoundError", "ImportError",
-    "IndexError", "KeyError", "LookupError", "MemoryError", "NameError", "NotImplementedError", "OSError",
-    "OverflowError", "PermissionError", "RecursionError", "RuntimeError", "StopIteration", "TypeError",
-    "ValueError", "ZeroDivisionError")
-_FRAME_ATTR_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_")  # generator/coroutine/frame/traceback/code
-MAX_OPENS = 64  # open() calls per program
-NOBODY = 65534  # uid and gid of nobody / nogroup on Debian, Ubuntu, Alpine and RHEL
-
-
-@dataclass(frozen=True)
-class ExecLimits:
-    """Resource limits of one python_exec run (the wall-clock timeout is an argument of execute_python)."""
-    memory_bytes: int = 512 << 20  # RLIMIT_AS: address space; past it, allocations raise MemoryError
-    file_bytes: int = 1 << 20      # RLIMIT_FSIZE: largest file the program may write (in its directory)
-    open_files: int = 16           # RLIMIT_NOFILE: file descriptors, stdin/stdout/stderr included
-    max_chars: int = 2000          # printed output kept; the rest is cut, with a visible marker
-    max_code_chars: int = 20000    # longer programs are refused before parsing
-
-
-def check_program(code: str, max_code_chars: int = 20000) -> str | None:
-    """Why python_exec refuses `code` (a syntax error or a policy violation), or None when it may run.
-
-    Policy: imports only of ALLOWED_MODULES (no submodules, no relative imports, no private names); no
-    name starting with "__"; no attribute starting with "_" or naming a frame, generator or code
-    internal; no class definitions. Sent to the child too (EXEC_CHILD_SRC): only `ast` and constants.
-    """
-    if len(code) > max_code_chars:
-        return f"program longer than {max_code_chars} characters"
-    try:
-        tree = ast.parse(code)
-    except SyntaxError as e:
-        return f"SyntaxError: {e.msg} (line {e.lineno})"
-    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
-        return f"cannot parse: {type(e).__name__}"
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name not in ALLOWED_MODULES:
-                    return f"import {alias.name} is not allowed; allowed: {', '.join(ALLOWED_MODULES)}"
-        if isinstance(node, ast.ImportFrom):
-            if node.level or node.module not in ALLOWED_MODULES:
-                return f"import from {node.module} is not allowed; allowed: {', '.join(ALLOWED_MODULES)}"
-            for alias in node.names:
-                if alias.name.startswith("_"):
-                    return f"importing the private name {alias.name} is not allowed"
-        if isinstance(node, ast.Name) and node.id.startswith("__"):
-            return f"the name {node.id} is not allowed"
-        if isinstance(node, ast.Attribute) and node.attr.startswith(("_",) + _FRAME_ATTR_PREFIXES):
-            return f"attribute access .{node.attr} is not allowed"
-        if isinstance(node, ast.ClassDef):
-            return "class definitions are not allowed"
-    return None
-
-
-def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, str | None]:
-    """Child side: check `code`, build its namespace, install the audit hook, run -> (text, error kind).
-
-    REPL-like: the text is what the program printed, then repr() of the last statement's value when it
-    is an expression (and not None); an error is appended as "Error: Type: message". The audit hook
-    stays installed for good: the caller must only write the reply and os._exit() afterwards.
-    """
-    import builtins
-    import os
-    import sys
-    import types
-    refusal = check_program(code, max_code_chars)
-    if refusal is not None:
-        return "Error: " + refusal, "refused"
-    tree = ast.parse(code)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):  # keep the last value: `x = 1\nx + 1` shows 2
-        last = tree.body[-1]
-        tree.body[-1] = ast.copy_location(ast.Assign([ast.Name("__result__", ast.Store())], last.value), last)
-        ast.fix_missing_locations(tree)
-    program = compile(tree, "<program>", "exec")  # before the hook: compiling raises an audit event
-
-    modules = {}  # name -> a new module holding only the public names of the real one (no modules in it)
-    for name in ALLOWED_MODULES:
-        modules[name] = types.ModuleType(name)
-        modules[name].__dict__.update({k: v for k, v in vars(sys.modules[name]).items() if not k.startswith("_")
-                                       and not isinstance(v, types.ModuleType) and k not in _HIDDEN_MEMBERS})
-
-    def import_allowed(name, globals=None, locals=None, fromlist=(), level=0):
-        if level or name not in modules:
-            raise ImportError(f"import of {name!r} is not allowed")
-        return modules[name]
-
-    safe = {n: getattr(builtins, n) for n in EXEC_BUILTINS}
-    namespace = {"__builtins__": {**safe, "__import__": import_allowed}, "__name__": "__main__"}
-
-    class Printed:
-        """sys.stdout for the program: keeps the first max_chars characters, counts the rest."""
-        def __init__(self):
-            self.parts, self.kept, self.total = [], 0, 0
-
-        def write(self, s):
-            if not isinstance(s, str):
-                raise TypeError("write() argument must be str")
-            self.total += len(s)
-            if self.kept < max_chars:
-                self.parts.append(s[:max_chars - self.kept])
-                self.kept += len(self.parts[-1])
-            return len(s)
-
-        def flush(self):
-            pass
-
-    def inside_workdir(path) -> bool:
-        if not isinstance(path, str) or "\0" in path:  # an int is an inherited fd (stdout...), refuse it
-            return False
-        path = os.path.normpath(path)  # pure string work: symlinks cannot be made (os is unreachable)
-        return not os.path.isabs(path) and path != ".." and not path.startswith("../")
-
-    seen = {"exec": 0, "open": 0}
-
-    def audit(event, args):
-        if event == "exec" and seen["exec"] == 0:  # our own exec(program) below, once
-            seen["exec"] += 1
-            return
-        if event == "open":
-            if inside_workdir(args[0]) and seen["open"] < MAX_OPENS:
-                seen["open"] += 1  # a budget, so that 2 s of open() cannot fill the disk with 1 MiB files
-                return
-            raise PermissionError(f"open({str(args[0])[:60]!r}) is not allowed in the sandbox: only relative "
-                                  f"paths inside the working directory, {MAX_OPENS} opens at most")
-        raise PermissionError(f"{event} is not allowed in the sandbox")
-
-    printed = Printed()
-    sys.stdout = sys.stderr = printed
-    sys.addaudithook(audit)
-    kind, error = None, ""
-    try:
-        exec(program, namespace)
-        value = namespace.get("__result__")
-        if value is not None:
-            printed.write(repr(value))
-    except BaseException as e:  # MemoryError, RecursionError, SystemExit, PermissionError from the hook ...
-        try:
-            message = str(e)
-        except Exception:
-            message = ""
-        kind, error = "error", f"Error: {type(e).__name__}" + (f": {message}" if message else "")
-    text = "".join(printed.parts).rstrip("\n")
-    if printed.total > max_chars:
-        text += f"... [truncated, {printed.total} chars in all]"
-    text = "\n".join(t for t in (text, error[:max_chars]) if t)
-    return text or "(no output)", kind
-
-
-def _exec_child_main(limits: dict, policy: bool = True) -> None:
-    """Child side, the whole life of a python_exec process: limits, imports, drop root, run, reply, exit.
-
-    `limits`: {"cpu_seconds", "memory_bytes", "file_bytes", "open_files", "max_chars", "max_code_chars"}.
-    `policy` False skips layers 2-3 (the AST check, the namespace, the audit hook): only tests use it, to
-    show what the process layer holds by itself. Replies one JSON line {"text", "kind"} on stdout.
-    """
-    import json
-    import os
-    import resource
-    import signal
-    import sys
-
-    def cap(which, value):  # soft = hard: the program cannot raise it again
-        _, hard = resource.getrlimit(which)
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(which, (value, value))
-
-    cap(resource.RLIMIT_CPU, limits["cpu_seconds"])
-    cap(resource.RLIMIT_AS, limits["memory_bytes"])
-    cap(resource.RLIMIT_FSIZE, limits["file_bytes"])
-    cap(resource.RLIMIT_NOFILE, limits["open_files"])
-    cap(resource.RLIMIT_NPROC, 0)  # no fork, no threads (binds only a non-root user: see below)
-    cap(resource.RLIMIT_CORE, 0)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write raises OSError instead of killing us
-    for name in ALLOWED_MODULES:  # import now: after the drop below, our Python install may be unreadable
-        __import__(name)
-    with open("program.py", "rb") as f:  # written by the parent; read as data, not run yet
-        code = f.read().decode("utf-8", "surrogatepass")
-    os.remove("program.py")
-    if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)  # as root this sets the real, effective and saved uid: there is no way back
-        if 0 in (os.getuid(), os.geteuid(), os.getgid(), os.getegid()):
-            os._exit(3)
-    if policy:
-        text, kind = _exec_program(code, limits["max_chars"], limits["max_code_chars"])
-    else:  # tests only: the process layer, bare
-        import contextlib
-        import io
-        out, kind, error = io.StringIO(), None, ""
-        with contextlib.redirect_stdout(out):
-            try:
-                exec(code, {"__name__": "__main__"})
-            except BaseException as e:
-                kind, error = "error", f"Error: {type(e).__name__}: {e}"
-        text = (out.getvalue() + error)[:limits["max_chars"]].rstrip("\n") or "(no output)"
-    os.write(1, (json.dumps({"text": text, "kind": kind}) + "\n").encode())
-    os._exit(0)  # no interpreter shutdown: no finalizer of the program's objects runs after the reply
-
-
-# The child program: the functions above, sent as source, so it is the same code the tests read.
-EXEC_CHILD_SRC = "\n".join([
-    "import ast",
-    f"ALLOWED_MODULES = {ALLOWED_MODULES!r}",
-    f"_HIDDEN_MEMBERS = {_HIDDEN_MEMBERS!r}",
-    f"EXEC_BUILTINS = {EXEC_BUILTINS!r}",
-    f"_FRAME_ATTR_PREFIXES = {_FRAME_ATTR_PREFIXES!r}",
-    f"MAX_OPENS = {MAX_OPENS!r}",
-    f"NOBODY = {NOBODY!r}",
-    inspect.getsource(check_program),
-    inspect.getsource(_exec_program),
-    inspect.getsource(_exec_child_main),
-])
-
-
-def execute_python(code: str, timeout_s: float = 2.0, limits: ExecLimits = ExecLimits(),
-                   _policy: bool = True) -> tuple[str, str | None]:
-    """Run a program in a fresh sandboxed process -> (text, error kind): kind is None, "refused",
-    "error" or "timeout". Thread-safe (nothing is shared between calls) and never raises for a bad program.
-
-    `_policy=False` turns off layers 2-3 (tests only: it shows what the process layer holds alone).
-    """
-    if _policy:
-        refusal = check_program(code, limits.max_code_chars)  # refuse early, without a process
-        if refusal is not None:
-            return "Error: " + refusal, "refused"
-    child_limits = {"cpu_seconds": math.ceil(timeout_s) + 1, "memory_bytes": limits.memory_bytes,
-                    "file_bytes": limits.file_bytes, "open_files": limits.open_files,
-                    "max_chars": limits.max_chars, "max_code_chars": limits.max_code_chars}
-    src = EXEC_CHILD_SRC + f"\n_exec_child_main({child_limits!r}, policy={_policy!r})\n"
-    workdir = tempfile.mkdtemp(prefix="nano-skyrl-py-")
-    proc = None
-    try:
-        with open(os.path.join(workdir, "program.py"), "wb") as f:
-            f.write(code.encode("utf-8", "surrogatepass"))
-        if os.geteuid() == 0:
-            os.chown(workdir, NOBODY, NOBODY)  # the child drops to nobody and must write its directory
-        deadline = time.monotonic() + timeout_s
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", src], cwd=workdir, env={},
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        out, timed_out = _read_capped(proc, deadline, cap=4 * limits.max_chars + 4096)
-        if timed_out:
-            return f"Error: timed out after {timeout_s:g} s", "timeout"
-        try:
-            reply = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
-            return reply["text"].encode("utf-8", "replace").decode("utf-8"), reply["kind"]
-        except (ValueError, IndexError, KeyError, TypeError):  # no reply: the process died first
-            status = proc.wait()
-            if status == -signal.SIGXCPU:
-                return "Error: CPU time limit exceeded", "timeout"
-            if status < 0:
-                try:
-                    name = signal.Signals(-status).name
-                except ValueError:
-                    name = f"signal {-status}"
-                return f"Error: the program was killed by {name}", "error"
-            return f"Error: the program exited with status {status} without a result", "error"
-    except OSError as e:  # no process could be started (out of processes, memory, disk)
-        return f"Error: the sandbox could not start: {type(e).__name__}: {e}", "error"
-    finally:
-        if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group; pgid == pid (start_new_session)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()  # until this wait the pid stays a zombie, so the killpg above hits no one else
-            proc.stdout.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bool]:
-    """Read proc's stdout until it closes -> (at most `cap` bytes, whether the deadline passed first)."""
-    fd, chunks, size = proc.stdout.fileno(), [], 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return b"".join(chunks), True
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return b"".join(chunks), False
-        if size < cap:
-            chunks.append(chunk[:cap - size])
-            size += len(chunks[-1])
-
-
-def run_python(code: str, timeout_s: float = 2.0) -> str:
-    """Run a program in the python_exec sandbox and return the text it produced (see execute_python)."""
-    return execute_python(code, timeout_s)[0]
-
-
-# ----------------------------------------------------------------------------------------------------
-# 4. Tools
+# 2. Tools
 
 @dataclass(frozen=True)
 class Tool:
@@ -831,7 +285,7 @@ def validate_arguments(parameters: dict, arguments) -> tuple[dict | None, str | 
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5. Answers
+# 3. Answers
 
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,4})?")    # exponent capped: 1e999999999 would hang
 _NUMBER_IN_TEXT = re.compile(r"(?<![\d.])-?\d[\d,]*(?:\.\d+)?")            # "1,234" is one number, "10-3" ends in 3
@@ -867,7 +321,7 @@ def extract_answer(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 6. The Env base class and the registry
+# 4. The Env base class and the registry
 
 class Env:
     """Base class. A subclass sets `tool_names` and implements system_prompt, sample_tasks, score and
@@ -1042,7 +496,7 @@ def make_env(name: str, **kwargs) -> Env:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 7. Toy math
+# 5. Toy math
 
 TEST_PERCENT = 10  # share of the problem space (by hash of the prompt) that is held out; fixed, so that
                    # a test problem is a test problem under every config and seed

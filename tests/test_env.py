@@ -18,6 +18,7 @@ import time
 import pytest
 
 import env
+import sandbox
 from fractions import Fraction
 
 from env import (ENVS, SANDBOX, TOOLS, Action, EnvState, PythonSandbox, Task, ToolCall, ToyMathEnv, calculate,
@@ -280,7 +281,7 @@ def test_python_eval_timeout_counts_in_step(toy):
 
 def test_worker_checks_again_and_has_no_dangerous_builtins():
     # Talk to the worker directly, bypassing the parent's check: it must refuse by itself.
-    src = env.WORKER_SRC + "\n_worker_main(1 << 30, 500)\n"
+    src = sandbox.WORKER_SRC + "\n_worker_main(1 << 30, 500)\n"
     requests = [{"code": "import os", "cpu_seconds": 1}, {"code": "().__class__", "cpu_seconds": 1},
                 {"code": "sum([1, 2])", "cpu_seconds": 1}]
     out = subprocess.run([sys.executable, "-I", "-S", "-c", src], capture_output=True, text=True, timeout=20,
@@ -291,7 +292,7 @@ def test_worker_checks_again_and_has_no_dangerous_builtins():
 
 def test_worker_cpu_limit_is_a_backstop():
     # With nobody enforcing a wall-clock timeout, RLIMIT_CPU kills a spinning worker (SIGXCPU) by itself.
-    src = env.WORKER_SRC + "\n_worker_main(1 << 30, 500)\n"
+    src = sandbox.WORKER_SRC + "\n_worker_main(1 << 30, 500)\n"
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-I", "-S", "-c", src], capture_output=True, text=True, timeout=20,
                          input=json.dumps({"code": "while True: pass", "cpu_seconds": 0}) + "\n")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import env
+import sandbox
 from env import ExecLimits, Task, ToolCall, ToyMathEnv, Action, check_program, execute_python, run_python
 
 SECRET = "canary-7f3a9c"  # must never come out of the sandbox
@@ -201,11 +202,11 @@ def test_cpu_limit_is_a_backstop(tmp_path):
     # Nobody enforcing a wall clock: RLIMIT_CPU ends the child by itself (SIGXCPU, then SIGKILL).
     (tmp_path / "program.py").write_text("while True: pass")
     if AS_ROOT:
-        os.chown(tmp_path, env.NOBODY, env.NOBODY)
+        os.chown(tmp_path, sandbox.NOBODY, sandbox.NOBODY)
     limits = {"cpu_seconds": 1, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
               "max_chars": 100, "max_code_chars": 1000}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", env.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", sandbox.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
                          cwd=tmp_path, env={}, capture_output=True, timeout=30)
     assert out.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and out.stdout == b""
     assert time.monotonic() - start < 10
@@ -225,7 +226,7 @@ def test_file_size_open_files_and_open_budget():
     text, kind = execute_python("files = [open(f'f{i}', 'w') for i in range(40)]")
     assert kind == "error" and "Too many open files" in text
     text, kind = execute_python("for i in range(100):\n    open(f'f{i}', 'w').close()")
-    assert kind == "error" and f"{env.MAX_OPENS} opens at most" in text
+    assert kind == "error" and f"{sandbox.MAX_OPENS} opens at most" in text
 
 
 def test_output_is_truncated_with_a_marker():
@@ -282,10 +283,10 @@ def test_the_child_checks_again():
         with open(os.path.join(d, "program.py"), "w") as f:
             f.write("import os\nos.getuid()")
         if AS_ROOT:
-            os.chown(d, env.NOBODY, env.NOBODY)
+            os.chown(d, sandbox.NOBODY, sandbox.NOBODY)
         limits = {"cpu_seconds": 5, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
                   "max_chars": 100, "max_code_chars": 1000}
-        out = subprocess.run([sys.executable, "-I", "-S", "-c", env.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", sandbox.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
                              cwd=d, env={}, capture_output=True, text=True, timeout=30)
     assert json.loads(out.stdout)["kind"] == "refused"
 
