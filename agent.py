@@ -34,7 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-from env import Action, ToolCall, Task, EnvState, Env
+from env import Action, Env, Task, ToolCall
+from env import assistant_message as env_assistant_message  # builds the dict; ours parses text first
 
 
 @dataclass(frozen=True)
@@ -311,11 +312,7 @@ def assistant_message(text: str) -> dict:
     the very text the policy produced (qwen2.5): what SFT data, evaluation dumps and replays need.
     """
     split = _split_tool_calls(text)
-    msg = {"role": "assistant", "content": split.content}
-    if split.content_calls:
-        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in split.content_calls]
-    return msg
+    return env_assistant_message(split.content, split.content_calls)
 
 
 class _Split(NamedTuple):

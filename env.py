@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 # The sandboxes; re-exported so `env.run_python` and friends stay where users look for them.
-from sandbox import (SANDBOX, ExecLimits, PythonSandbox, check_code, check_program,  # noqa: F401
+from sandbox import (SANDBOX, ExecLimits, PythonSandbox, check_code, check_program,  # noqa: F401 (re-exports)
                      execute_python, run_python)
 
 

@@ -21,8 +21,6 @@ import inspect
 import json
 import math
 import os
-import random
-import re
 import select
 import shutil
 import signal
@@ -31,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -62,6 +60,19 @@ SAFE_BUILTINS = ("abs", "min", "max", "sum", "round", "int", "float", "str", "le
 MAX_CODE_CHARS = 4000  # longer snippets are refused before parsing (the parser is the first thing exposed)
 
 
+def _parse_source(code: str, max_chars: int, what: str):
+    """-> (ast tree, None), or (None, why it cannot be parsed). The parser is the first thing model-written
+    code reaches, so length is bounded before it. Both checks use it, and both children get its source."""
+    if len(code) > max_chars:
+        return None, f"{what} longer than {max_chars} characters"
+    try:
+        return ast.parse(code), None
+    except SyntaxError as e:
+        return None, f"SyntaxError: {e.msg} (line {e.lineno})"
+    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
+        return None, f"cannot parse: {type(e).__name__}"
+
+
 def check_code(code: str) -> str | None:
     """Why `code` may not run (a syntax error or a policy violation), or None when it may.
 
@@ -69,14 +80,9 @@ def check_code(code: str) -> str | None:
     functions and functions defined in the snippet; no name starting with "__".
     This function is also sent to the worker (WORKER_SRC), so it uses only `ast`, `math` and the constants.
     """
-    if len(code) > MAX_CODE_CHARS:
-        return f"code longer than {MAX_CODE_CHARS} characters"
-    try:
-        tree = ast.parse(code)
-    except SyntaxError as e:
-        return f"SyntaxError: {e.msg} (line {e.lineno})"
-    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
-        return f"cannot parse: {type(e).__name__}"
+    tree, error = _parse_source(code, MAX_CODE_CHARS, "code")
+    if error:
+        return error
     math_names = {n for n in dir(math) if not n.startswith("_")}
     defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     for node in ast.walk(tree):
@@ -156,6 +162,7 @@ WORKER_SRC = "\n".join([
     "import ast, math",
     f"SAFE_BUILTINS = {SAFE_BUILTINS!r}",
     f"MAX_CODE_CHARS = {MAX_CODE_CHARS!r}",
+    inspect.getsource(_parse_source),
     inspect.getsource(check_code),
     inspect.getsource(_run_snippet),
     inspect.getsource(_worker_main),
@@ -307,14 +314,9 @@ def check_program(code: str, max_code_chars: int = 20000) -> str | None:
     name starting with "__"; no attribute starting with "_" or naming a frame, generator or code
     internal; no class definitions. Sent to the child too (EXEC_CHILD_SRC): only `ast` and constants.
     """
-    if len(code) > max_code_chars:
-        return f"program longer than {max_code_chars} characters"
-    try:
-        tree = ast.parse(code)
-    except SyntaxError as e:
-        return f"SyntaxError: {e.msg} (line {e.lineno})"
-    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
-        return f"cannot parse: {type(e).__name__}"
+    tree, error = _parse_source(code, max_code_chars, "program")
+    if error:
+        return error
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -440,7 +442,6 @@ def _exec_child_main(limits: dict, policy: bool = True) -> None:
     import os
     import resource
     import signal
-    import sys
 
     def cap(which, value):  # soft = hard: the program cannot raise it again
         _, hard = resource.getrlimit(which)
@@ -490,6 +491,7 @@ EXEC_CHILD_SRC = "\n".join([
     f"_FRAME_ATTR_PREFIXES = {_FRAME_ATTR_PREFIXES!r}",
     f"MAX_OPENS = {MAX_OPENS!r}",
     f"NOBODY = {NOBODY!r}",
+    inspect.getsource(_parse_source),
     inspect.getsource(check_program),
     inspect.getsource(_exec_program),
     inspect.getsource(_exec_child_main),

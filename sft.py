@@ -32,8 +32,7 @@ import time
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from agent import CHAT_TEMPLATES, AgentConfig, SamplingParams, render
-from env import Env
+from agent import CHAT_TEMPLATES, SamplingParams, render
 from eval import evaluate, heldout_tasks
 from learner import LearnerConfig, make_learner, sft_step
 from model import ModelConfig, init_model, save_model
