@@ -620,7 +620,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: AgentConfig,
-                 params: SamplingParams, seed: int) -> list[Trajectory]:
+                 params: SamplingParams, seed: int, judge_weight: float = 0.0) -> list[Trajectory]:
     """Play cfg.n_samples episodes of every task, token-in token-out. Returns them group-major
     (all samples of tasks[0], then tasks[1], ...), group = task index, sample = 0..n_samples-1.
 
@@ -629,6 +629,9 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
     to its own episode's budget afterwards (its kept tokens are a valid sample: sampling is causal).
     One token of each budget is kept free for a forced <|im_end|>, so no trajectory exceeds
     cfg.max_total_tokens (unless its prompt alone does: that episode then ends with no turn).
+
+    judge_weight > 0 (training only; evaluate() never passes it): a finished episode's reward gets
+    judge_weight * env.judge(task, messages) added, for envs that have a judge (see Env.judge).
     """
     im_end = tokenizer.token_to_id(IM_END)
     if im_end is None:
@@ -707,6 +710,11 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
 
             if done:
                 traj.done, traj.finish_reason = True, "done"
+                if judge_weight:
+                    score = env.judge(traj.task, traj.messages)
+                    if score is not None:
+                        traj.info["judge"] = float(score)
+                        traj.reward += judge_weight * float(score)
                 continue
             if traj.num_turns >= cfg.max_turns:
                 traj.finish_reason = "max_turns"

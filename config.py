@@ -45,6 +45,8 @@ class RolloutConfig:
     top_p: float = 1.0               # nucleus sampling mass
     max_tokens: int = 96             # new tokens per assistant turn at most
     max_batch_size: int = 256        # sequences the engine decodes at once
+    judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
+                                     # envs that have a judge (tau_lite); held-out evals never use it
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 

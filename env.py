@@ -26,6 +26,7 @@ POSIX only (the sandbox uses process groups and resource limits).
 """
 import ast
 import hashlib
+import importlib
 import math
 import random
 import re
@@ -351,6 +352,29 @@ class Env:
         """Whether an answer submitted through finish is well formed."""
         return bool(answer.strip())
 
+    def random_action(self, state: EnvState, rng: random.Random) -> Action:
+        """The floor baseline (eval.py --policy random): one uniformly random tool, its required arguments
+        filled with words or numbers drawn from the prompt. Envs with a richer action space override it."""
+        name = rng.choice(self.tool_names)
+        words = re.findall(r"[A-Za-z0-9_.-]+", state.task.prompt) or ["0"]
+        params = TOOLS[name].parameters
+        arguments = {}
+        for key in params.get("required", []):
+            spec = params["properties"].get(key, {})
+            if "enum" in spec:
+                arguments[key] = rng.choice(spec["enum"])
+            elif spec.get("type") in ("number", "integer"):
+                arguments[key] = rng.randint(0, 100)
+            else:
+                arguments[key] = rng.choice(words)
+        return Action(text="", tool_calls=(ToolCall(name, arguments),))
+
+    def judge(self, task: Task, messages: list[dict]) -> float | None:
+        """An optional extra reward for a finished episode (an LLM or rule-based judge), in [0, 1], or None
+        when the env has no judge. Training only: run_episodes adds `judge_weight * judge(...)` when the
+        training loop asks for it, and evaluate() never does, so a judge cannot inflate held-out metrics."""
+        return None
+
     def reset(self, task: Task, seed: int) -> tuple[EnvState, list[dict]]:
         """A new episode -> (state, [system, user]). `seed` is for envs with randomness (unused by toy_math)."""
         if task.env != self.name:
@@ -362,7 +386,8 @@ class Env:
         """One assistant message -> (state, observation messages, reward, done, info).
 
         info: "format_ok" (answered through finish with a well-formed answer), "answer", and this step's
-        "tool_calls", "tool_errors", "tool_timeouts".
+        "tool_calls", "tool_errors", "tool_timeouts". An env may add "metrics": {name: float} on the final
+        step (e.g. code's pass fraction); eval.py averages each over the episodes as eval/<env>/<name>.
         """
         if state.done:
             raise ValueError("step() called on a finished episode")
@@ -488,10 +513,38 @@ def register_env(name: str):
     return register
 
 
+def write_tasks(tasks: list[Task], path: str) -> None:
+    """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset on disk."""
+    import json
+    with open(path, "w") as f:
+        for t in tasks:
+            f.write(json.dumps({"env": t.env, "id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta},
+                               ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def read_tasks(path: str) -> list[Task]:
+    """The tasks write_tasks wrote."""
+    import json
+    with open(path) as f:
+        return [Task(**json.loads(line)) for line in f if line.strip()]
+
+
+# Envs that live in their own files beside this one, imported on first use (like gym's entry points):
+# env.py needs none of them, and each of them imports only env.py.
+ENTRY_POINTS: dict[str, str] = {"text_math": "env_math", "dataset": "env_math", "tool_use": "env_search",
+                                "code": "env_code", "webshop_lite": "env_webshop",
+                                "alfworld_lite": "env_alfworld", "tau_lite": "env_tau"}
+
+
 def make_env(name: str, **kwargs) -> Env:
     """Build a registered env; unknown names raise ValueError listing the available ones."""
+    if name not in ENVS and name in ENTRY_POINTS:
+        try:
+            importlib.import_module(ENTRY_POINTS[name])   # registers the env by its @register_env
+        except ModuleNotFoundError as e:
+            raise ValueError(f"env {name!r} lives in {ENTRY_POINTS[name]}.py, which could not be imported: {e}") from e
     if name not in ENVS:
-        raise ValueError(f"unknown env {name!r}; available: {', '.join(sorted(ENVS))}")
+        raise ValueError(f"unknown env {name!r}; available: {', '.join(sorted(set(ENVS) | set(ENTRY_POINTS)))}")
     return ENVS[name](**kwargs)
 
 
@@ -651,3 +704,21 @@ class ToyMathEnv(Env):
             messages += [assistant_message("", [call]), tool_message("python_eval", output)]
         messages.append(assistant_message("", [ToolCall("finish", {"answer": task.answer})]))
         return messages
+
+
+if __name__ == "__main__":
+    # Write an env's tasks as JSON lines, deterministically from the seed:
+    #   python env.py tool_use test 500 --seed 0 --out data/tool_use_test.jsonl [--kwargs '{"hops": 2}']
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description="write an env's tasks as JSON lines")
+    p.add_argument("env")
+    p.add_argument("split", choices=["train", "test"])
+    p.add_argument("n", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kwargs", default="{}", help="JSON object of make_env arguments")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    import env  # the module, not this __main__ copy: envs in other files register into env.ENVS
+    env.write_tasks(env.make_env(a.env, **json.loads(a.kwargs)).sample_tasks(a.split, a.n, a.seed), a.out)
+    print(f"wrote {a.n} {a.env} {a.split} tasks to {a.out}")

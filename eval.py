@@ -1,6 +1,7 @@
 """eval.py: held-out evaluation of a policy, per environment.
 
     python eval.py --checkpoint runs/toy_math/final --config configs/toy_math.yaml
+    python eval.py --policy expert --config configs/tool_use.yaml     # the ceiling (or --policy random: the floor)
 
 Runs each env's held-out tasks once through the same agent loop as training (greedy by default,
 `eval_temperature`), and reports per env and overall: accuracy (mean reward), mean turns, tool calls
@@ -12,10 +13,11 @@ train.py calls `evaluate` at step 0, every `eval_every` steps and at the end.
 import argparse
 import json
 import os
+import random
 from dataclasses import replace
 
 from agent import AgentConfig, SamplingParams, Trajectory, run_episodes
-from env import Env, Task, make_env
+from env import Action, Env, Task, ToolCall, make_env
 
 
 def heldout_tasks(envs: dict[str, Env], sizes: dict[str, int], seed: int) -> dict[str, list[Task]]:
@@ -30,7 +32,7 @@ def evaluate(engine, envs: dict[str, Env], tasks: dict[str, list[Task]], tokeniz
     eval/accuracy is the mean of the per-env accuracies, so a small held-out set counts as much as a big one."""
     cfg = replace(agent_cfg, n_samples=1)
     all_tasks = [t for name in tasks for t in tasks[name]]
-    trajs = run_episodes(engine, envs, all_tasks, tokenizer, cfg, params, seed)
+    trajs = run_episodes(engine, envs, all_tasks, tokenizer, cfg, params, seed, judge_weight=0.0)  # never a judge
     metrics: dict[str, float] = {}
     for name in tasks:
         tr = [t for t in trajs if t.task.env == name]
@@ -45,10 +47,57 @@ def evaluate(engine, envs: dict[str, Env], tasks: dict[str, list[Task]], tokeniz
             "parse_failure_rate": sum(t.parse_failures for t in tr) / max(turns, 1),  # per assistant turn
             "finished": sum(t.done for t in tr) / n,
         }
+        for t in tr:                                    # env-specific extras (e.g. code's pass fraction)
+            for k, v in t.info.get("metrics", {}).items():
+                m[k] = m.get(k, 0.0) + float(v) / n
         metrics.update({f"eval/{name}/{k}": v for k, v in m.items()})
     for k in ("accuracy", "mean_turns", "tool_calls", "tokens", "parse_failure_rate"):
         metrics[f"eval/{k}"] = sum(metrics[f"eval/{name}/{k}"] for name in tasks) / max(len(tasks), 1)
     return metrics, trajs
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scripted policies: the ceiling (the env's expert) and the floor (random actions) of every env, played
+# through the same env.reset / env.step as the model, without tokens.
+
+def expert_actions(env: Env, task: Task, seed: int) -> list[Action]:
+    """The assistant turns of the env's expert demonstration (with tools), as Actions to replay."""
+    demo = env.demonstration(task, random.Random(seed), True)
+    return [Action(text=m.get("content") or "",
+                   tool_calls=tuple(ToolCall(c["function"]["name"], dict(c["function"]["arguments"]))
+                                    for c in m.get("tool_calls", [])))
+            for m in demo if m["role"] == "assistant"]
+
+
+def play_scripted(env: Env, tasks: list[Task], policy: str, seed: int, max_turns: int) -> list[dict]:
+    """One episode per task with policy "expert" (replays env.demonstration) or "random"
+    (env.random_action each turn), at most max_turns turns -> one record per episode."""
+    if policy not in ("expert", "random"):
+        raise ValueError(f"policy must be 'expert' or 'random', not {policy!r}")
+    episodes = []
+    for i, task in enumerate(tasks):
+        rng = random.Random(seed * 1_000_003 + i)
+        state, _ = env.reset(task, seed=seed + i)
+        script = expert_actions(env, task, seed + i) if policy == "expert" else None
+        reward, done, turns, info = 0.0, False, 0, {}
+        while not done and turns < max_turns and (script is None or turns < len(script)):
+            action = script[turns] if script is not None else env.random_action(state, rng)
+            state, _, r, done, info = env.step(state, action)
+            reward, turns = reward + r, turns + 1
+        episodes.append({"task_id": task.id, "reward": reward, "done": done, "turns": turns,
+                         "tool_calls": state.tool_calls, "metrics": info.get("metrics", {})})
+    return episodes
+
+
+def scripted_metrics(episodes: list[dict], prefix: str) -> dict[str, float]:
+    """Means over episodes: accuracy (mean reward), mean_turns, tool_calls, and the env's extra metrics."""
+    n = max(len(episodes), 1)
+    m = {"accuracy": sum(e["reward"] for e in episodes) / n, "mean_turns": sum(e["turns"] for e in episodes) / n,
+         "tool_calls": sum(e["tool_calls"] for e in episodes) / n}
+    for e in episodes:
+        for k, v in e["metrics"].items():
+            m[k] = m.get(k, 0.0) + float(v) / n
+    return {f"{prefix}/{k}": v for k, v in m.items()}
 
 
 def dump_episodes(trajs: list[Trajectory], path: str) -> None:
@@ -71,19 +120,31 @@ def main(argv=None):
     from tokenizers import Tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a Hugging Face folder with tokenizer.json")
+    p.add_argument("--checkpoint", default=None, help="a Hugging Face folder with tokenizer.json")
+    p.add_argument("--policy", choices=["expert", "random"], default=None,
+                   help="evaluate a scripted policy (the env's expert, or random actions) instead of a model")
     p.add_argument("--config", default=None, help="the run's YAML config (envs, agent, eval settings)")
     p.add_argument("--out", default=None, help="episodes JSONL (default: <checkpoint>/eval_episodes.jsonl)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if (args.checkpoint is None) == (args.policy is None):
+        p.error("give exactly one of --checkpoint and --policy")
+    envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
+    tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
+    if args.policy is not None:
+        metrics = {}
+        for name, env in envs.items():
+            episodes = play_scripted(env, tasks[name], args.policy, cfg.eval_seed, cfg.rollout.agent.max_turns)
+            metrics.update(scripted_metrics(episodes, f"{args.policy}/{name}"))
+        for k, v in sorted(metrics.items()):
+            print(f"{k:40s} {v:.4f}")
+        return metrics
 
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
     model = load_model(args.checkpoint)
     engine = TorchEngine(model, pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          max_batch_size=cfg.rollout.max_batch_size)
-    envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
-    tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
     metrics, trajs = evaluate(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, cfg.eval_seed)

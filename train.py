@@ -73,7 +73,8 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
         tasks = sample_train_tasks(envs, cfg.envs, want, step_seed(cfg.seed, step, 10 * r + 1))
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_tokens=cfg.rollout.max_tokens, seed=step_seed(cfg.seed, step, 10 * r + 2))
-        trajs = run_episodes(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, step_seed(cfg.seed, step, 10 * r + 3))
+        trajs = run_episodes(engine, envs, tasks, tokenizer, cfg.rollout.agent, params,
+                             step_seed(cfg.seed, step, 10 * r + 3), judge_weight=cfg.rollout.judge_weight)
         groups = [trajs[i:i + G] for i in range(0, len(trajs), G)]                     # group-major
         if cfg.algo.dynamic_sampling:
             kept += [g for g in groups if len({t.reward for t in g}) > 1]
