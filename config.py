@@ -39,7 +39,10 @@ class EnvSpec:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"            # inference engine; "torch" (rollout.TorchEngine)
+    engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, trains), or "openai" (a remote
+                                     # OpenAI-compatible server, rollout.OpenAIEngine: evaluation only)
+    base_url: str = "http://localhost:8000/v1"  # openai engine: the server (e.g. `vllm serve`), ending in /v1
+    served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
     temperature: float = 1.0         # sampling temperature (the learner scores at the same temperature)
     top_p: float = 1.0               # nucleus sampling mass
@@ -227,7 +230,7 @@ def validate(cfg: Config) -> Config:
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
         ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
         ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
-        ("rollout.engine", cfg.rollout.engine, ("torch",)),
+        ("rollout.engine", cfg.rollout.engine, ("torch", "openai")),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
     ]

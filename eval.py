@@ -2,6 +2,8 @@
 
     python eval.py --checkpoint runs/toy_math/final --config configs/toy_math.yaml
     python eval.py --policy expert --config configs/tool_use.yaml     # the ceiling (or --policy random: the floor)
+    python eval.py --checkpoint DIR --config ... rollout.engine=openai rollout.base_url=http://host:8000/v1
+                                                          # a model served by `vllm serve DIR` (DIR: its tokenizer)
 
 Runs each env's held-out tasks once through the same agent loop as training (greedy by default,
 `eval_temperature`), and reports per env and overall: accuracy (mean reward), mean turns, tool calls
@@ -116,7 +118,7 @@ def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
     from config import load_config
     from model import load_model
-    from rollout import TorchEngine
+    from rollout import OpenAIEngine, TorchEngine
     from tokenizers import Tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,9 +144,11 @@ def main(argv=None):
         return metrics
 
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
-    model = load_model(args.checkpoint)
-    engine = TorchEngine(model, pad_id=tokenizer.token_to_id("<|endoftext|>"),
-                         max_batch_size=cfg.rollout.max_batch_size)
+    if cfg.rollout.engine == "openai":   # the server holds the weights; the checkpoint folder gives the tokenizer
+        engine = OpenAIEngine(cfg.rollout.base_url, cfg.rollout.served_model or args.checkpoint)
+    else:
+        engine = TorchEngine(load_model(args.checkpoint), pad_id=tokenizer.token_to_id("<|endoftext|>"),
+                             max_batch_size=cfg.rollout.max_batch_size)
     params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
     metrics, trajs = evaluate(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, cfg.eval_seed)

@@ -116,6 +116,9 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------------
     # setup
     t_start = time.time()
+    if cfg.rollout.engine != "torch":
+        raise ValueError(f"rollout.engine={cfg.rollout.engine!r} cannot train: its weights cannot be pushed "
+                         "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
