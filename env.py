@@ -516,6 +516,8 @@ def register_env(name: str):
 def write_tasks(tasks: list[Task], path: str) -> None:
     """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset on disk."""
     import json
+    import os
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         for t in tasks:
             f.write(json.dumps({"env": t.env, "id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta},
