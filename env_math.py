@@ -3,7 +3,7 @@
 
 text_math: three kinds of problems, each generated from a seed with one difficulty knob.
   - multistep (knob `steps`, 2..6): a story whose running total changes once per event: "Ana has 4 boxes
-    of 12 pens. She gives 15 pens to Ben. Cy gives her 7 pens. How many pens does Ana have now?". Every
+    of 12 pens. She gives 15 pens to Ben. Ben gives her 7 pens. How many pens does Ana have now?". Every
     event adds or removes a number or a product of two numbers that the sentence states, so the whole
     solution is one expression with the story's numbers in story order and no parentheses:
     "4 * 12 - 15 + 7". The ground truth is the running total kept by the generator (no eval); every
@@ -18,9 +18,12 @@ text_math: three kinds of problems, each generated from a seed with one difficul
   `level` sets all three knobs at once (an explicit knob wins over the level):
       level 1: steps=2, people=3, speakers=2 (easy)
       level 2: steps=4, people=4, speakers=3 (the default)
-      level 3: steps=6, people=6, speakers=4 (hard: the longest prompt is ~65 words)
+      level 3: steps=6, people=6, speakers=4 (hard: prompts of up to ~60 words)
   Names come from 30 short names and the other words from a few short lists, to keep the vocabulary of
   a tiny model small. Split: by a stable hash of the prompt (env.split_of), as toy_math.
+  Tools: by default only those the chosen kinds' experts call (calculator, python_eval) and finish.
+  Every schema is rendered into every prompt, and a tool no demonstration uses (scratchpad: no kind
+  needs notes across turns) is only a way to waste turns; `tools=` offers more.
   Reward: 1.0 or 0.0. Numeric answers compare with env.answers_match; words and names compare
   case-insensitively after stripping whitespace and punctuation at their ends. Plain text (no tool call)
   is the final answer: its last \\boxed{} if any, else its last number (numeric tasks) or word.
@@ -64,7 +67,7 @@ from env import (TOOLS, Env, EnvState, Task, ToolCall, answers_match, assistant_
                  parse_number, register_env, split_of, tool_message)
 
 # ----------------------------------------------------------------------------------------------------
-# Words
+# Words, the Problem container, and \boxed{} answers (both envs)
 
 _PEOPLE = (("Ana", "she", "her"), ("Ben", "he", "him"), ("Cy", "he", "him"), ("Dan", "he", "him"),
            ("Eve", "she", "her"), ("Fay", "she", "her"), ("Gus", "he", "him"), ("Hal", "he", "him"),
@@ -87,12 +90,30 @@ def ordinal(k: int) -> str:
     return f"{k}{suffix}"
 
 
+_BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces balanced, or None
+    (also when that last one is never closed): "\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}"."""
+    starts = [m.end() for m in _BOXED_START.finditer(text)]
+    if not starts:
+        return None
+    depth = 1
+    for i in range(starts[-1], len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[starts[-1]:i].strip()
+    return None
+
+
 @dataclass(frozen=True)
 class Problem:
     """One generated text_math problem, before it becomes a Task."""
     prompt: str   # the user message
     answer: str   # the ground truth: an integer, a name, or "knight" / "knave"
-    meta: dict    # what the expert needs (JSON-serializable): "expression", "order" or "code"
+    meta: dict    # JSON-serializable: "kind", and what its expert needs: multistep "expression"; ordering
+                  # "order" (from the asked end), "word", "k"; truth "code" (the brute force), "knights"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,7 +144,8 @@ def make_story(rng: random.Random, steps: int) -> Story:
                   (f"{friend} gives {him} {k} {item}.", "+", f"{k}", k),
                   (f"{He} buys {m} {box} of {c} {item}.", "+", f"{m} * {c}", m * c)]
         if total >= k:
-            events += [(f"{He} gives {k} {item} to {friend}.", "-", f"{k}", k), (f"{He} loses {k} {item}.", "-", f"{k}", k)]
+            events += [(f"{He} gives {k} {item} to {friend}.", "-", f"{k}", k),
+                       (f"{He} loses {k} {item}.", "-", f"{k}", k)]
         if total >= m * c:
             events.append((f"{He} sells {m} {box} of {c} {item}.", "-", f"{m} * {c}", m * c))
         if total >= k * m:
@@ -338,25 +360,10 @@ class TextMathEnv(Env):
 # dataset: reference answers and the comparison of answers
 
 SHORT_ANSWER_CHARS = 40   # an answer field at most this long (with no "####" or \boxed) is the answer itself
-_BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TEXT_MACRO = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm)\s*\{([^{}]*)\}")
 _LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;: ]|\^\s*\{?\\circ\}?|\\circ|\\?[%$]|\s")
 _FRACTION = re.compile(r"(-?)(?:\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?\d+)/(-?\d+))")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces balanced, or None
-    (also when that last one is never closed): "\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}"."""
-    starts = [m.end() for m in _BOXED_START.finditer(text)]
-    if not starts:
-        return None
-    depth = 1
-    for i in range(starts[-1], len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[starts[-1]:i].strip()
-    return None
 
 
 def extract_reference(text: str) -> str:
@@ -474,8 +481,8 @@ class DatasetEnv(Env):
             raise ValueError(f"tools {list(tools)} must be registered tools and include finish")
         files = [(path, read_records(path))] + ([(test_path, read_records(test_path))] if test_path else [])
         first = files[0][1][0][1]
-        self.prompt_key = _pick_key(prompt_key, ("problem", "question", "prompt"), first, "prompt", path)  # field of the problem
-        self.answer_key = _pick_key(answer_key, ("answer", "solution"), first, "answer", path)  # field of the reference
+        self.prompt_key = _pick_key(prompt_key, ("problem", "question", "prompt"), first, "prompt", path)  # problem field
+        self.answer_key = _pick_key(answer_key, ("answer", "solution"), first, "answer", path)  # reference field
         self.path, self.test_path = path, test_path     # where the records come from
         self.tool_names = tuple(tools)                  # offered in the prompt
         self.tool_timeout = tool_timeout                # seconds per tool call
@@ -484,7 +491,8 @@ class DatasetEnv(Env):
         for file, records in files:
             with_split = sum("split" in r for _, r in records)
             if test_path is None and 0 < with_split < len(records):
-                raise ValueError(f"{file}: {with_split} of {len(records)} records have a 'split' field; all or none must")
+                raise ValueError(f"{file}: {with_split} of {len(records)} records have a 'split' field; "
+                                 "all or none must")
             for number, record in records:
                 task = self._task(file, number, record)
                 if test_path is not None:

@@ -114,7 +114,8 @@ def solve_truth(prompt: str) -> tuple[str, int]:
 
 
 def test_solvers_on_hand_computed_examples():
-    story = "Ana has 12 boxes of 8 pens. She gives 15 pens to Ben. She buys 3 boxes of 8 pens. How many pens does Ana have now?"
+    story = ("Ana has 12 boxes of 8 pens. She gives 15 pens to Ben. She buys 3 boxes of 8 pens. "
+             "How many pens does Ana have now?")
     assert solve_story(story) == (105, [96, 81, 105])             # 12*8 = 96, 96-15 = 81, 81+3*8 = 105
     story = ("Bo has 2 jars of 5 beads. Cy gives him 4 beads. He gives 3 beads to each of 2 friends. "
              "He loses 7 beads. How many beads does Bo have now?")
