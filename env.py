@@ -386,8 +386,9 @@ class Env:
         """One assistant message -> (state, observation messages, reward, done, info).
 
         info: "format_ok" (answered through finish with a well-formed answer), "answer", and this step's
-        "tool_calls", "tool_errors", "tool_timeouts". An env may add "metrics": {name: float} on the final
-        step (e.g. code's pass fraction); eval.py averages each over the episodes as eval/<env>/<name>.
+        "tool_calls", "tool_errors", "tool_timeouts". An env may add "metrics": {name: float} (e.g. code's
+        pass fraction); eval.py averages the last one each episode reported as eval/<env>/<name>, so an env
+        whose metrics mean something before the end (counters) should report them on every step.
         """
         if state.done:
             raise ValueError("step() called on a finished episode")

@@ -49,9 +49,7 @@ def evaluate(engine, envs: dict[str, Env], tasks: dict[str, list[Task]], tokeniz
             "parse_failure_rate": sum(t.parse_failures for t in tr) / max(turns, 1),  # per assistant turn
             "finished": sum(t.done for t in tr) / n,
         }
-        for t in tr:                                    # env-specific extras (e.g. code's pass fraction)
-            for k, v in t.info.get("metrics", {}).items():
-                m[k] = m.get(k, 0.0) + float(v) / n
+        m.update(_env_metrics([t.info.get("metrics", {}) for t in tr]))  # env extras (e.g. code's pass fraction)
         metrics.update({f"eval/{name}/{k}": v for k, v in m.items()})
     for k in ("accuracy", "mean_turns", "tool_calls", "tokens", "parse_failure_rate"):
         metrics[f"eval/{k}"] = sum(metrics[f"eval/{name}/{k}"] for name in tasks) / max(len(tasks), 1)
@@ -96,10 +94,18 @@ def scripted_metrics(episodes: list[dict], prefix: str) -> dict[str, float]:
     n = max(len(episodes), 1)
     m = {"accuracy": sum(e["reward"] for e in episodes) / n, "mean_turns": sum(e["turns"] for e in episodes) / n,
          "tool_calls": sum(e["tool_calls"] for e in episodes) / n}
-    for e in episodes:
-        for k, v in e["metrics"].items():
-            m[k] = m.get(k, 0.0) + float(v) / n
+    m.update(_env_metrics([e["metrics"] for e in episodes]))
     return {f"{prefix}/{k}": v for k, v in m.items()}
+
+
+def _env_metrics(per_episode: list[dict]) -> dict[str, float]:
+    """Mean of each env metric over all episodes: the last value an episode's env reported, 0 if none (an
+    env that reports on every step, not only the last, is also right for episodes cut by max_turns)."""
+    totals: dict[str, float] = {}
+    for metrics in per_episode:
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return {k: v / max(len(per_episode), 1) for k, v in totals.items()}
 
 
 def dump_episodes(trajs: list[Trajectory], path: str) -> None:

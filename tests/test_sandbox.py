@@ -176,14 +176,21 @@ def _workdirs():
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "nano-skyrl-py-*")))
 
 
-def test_nothing_survives_a_call():
+def test_nothing_survives_a_call(monkeypatch):
+    # a temp root of our own, so sandboxes run by other processes on this machine cannot change the listing
+    # (traversable by `nobody`: the child may run as that user)
+    root = tempfile.mkdtemp(prefix="nano-skyrl-test-")
+    os.chmod(root, 0o755)
+    monkeypatch.setattr(tempfile, "tempdir", root)
     before = _workdirs()
+    assert before == set()
     assert execute_python("open('state.txt', 'w').write('left behind')\nopen('state.txt').read()") == \
         ("'left behind'", None)
     text, kind = execute_python("open('state.txt').read()")
     assert kind == "error" and "FileNotFoundError" in text
     execute_python("open('x', 'w').write('1')\nwhile True: pass", timeout_s=0.5)
     assert _workdirs() == before  # every working directory was removed, after a timeout too
+    os.rmdir(root)
 
 
 # ---------------------------------------------------------------------------------------------------
