@@ -21,11 +21,11 @@ Actions are tools (TOOLS names are global, hence the prefix):
   shop_click(item)    open a listed product (its id, or a title shown, meaning the first line with it):
                       "[B017] red cotton t-shirt $18, rating 4.3" then one line per option: "size: S M L".
   shop_select(option) choose an option value of the open product: "M" (or "size: M", "size M").
-  shop_back()         return to the page before (selections made on a product page are dropped).
+  shop_back()         show the page before again, as it was left (leaving a product page drops its selections).
   shop_buy()          buy the open product with its selections; the episode ends.
 Invalid actions (a click on something not listed, a value the product does not offer, buy with no
-product open or an option unselected, back from the first page, an empty query, a message with no tool
-call) come back as "Error: ..." observations and change nothing; they count as invalid actions.
+product open or an option unselected, back from the first page, an empty query, a message with no
+readable tool call) come back as "Error: ..." observations and change nothing; they count as invalid actions.
 
 Reward, as in WebShop (paper, section 3.1): with U the instruction and Y the bought item,
     r = type_match * (|U_att & Y_att| + |U_opt & Y_opt| + 1[Y_price < U_price]) / (|U_att| + |U_opt| + 1)
@@ -50,6 +50,7 @@ then the first result whatever its price (the twin when the twin is rated higher
 where offered (else the first value), buy. Right about 60% of the time; the rest earns partial
 credit, and RL has the price check to learn.
 """
+import functools
 import hashlib
 import itertools
 import json
@@ -143,8 +144,9 @@ def split_of(title: str) -> str:
 _WORD = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")   # "t-shirt" is one word; "$20" is "20"
 
 
-def words(text: str) -> set[str]:
-    return set(_WORD.findall(text.lower()))
+@functools.lru_cache(maxsize=4096)   # every search reads every title's words: cache them (and recent queries)
+def words(text: str) -> frozenset[str]:
+    return frozenset(_WORD.findall(text.lower()))
 
 
 def search(catalog: tuple[Product, ...], query: str) -> list[Product]:
@@ -213,7 +215,8 @@ class ShopState(EnvState):
     """EnvState plus where the agent is in the shop; replaced by every tool, never mutated."""
     view: View = field(default_factory=View)           # the page shown now
     history: tuple[View, ...] = ()                     # the pages before it, oldest first (what shop_back pops)
-    texts: int = 0                                     # messages without a tool call (each an invalid action)
+    idle_turns: int = 0                                # messages with no readable tool call (plain text, or a call
+                                                       # too broken to parse): each an invalid action
 
 
 def _goto(state: ShopState, view: View) -> ShopState:
@@ -239,7 +242,7 @@ def shop_search(env, state, query):
     if not words(query):
         return _error(state, "the query has no words.")
     view = View("results", tuple(p.id for p in search(env.catalog, query)))
-    return _goto(state, view), env.render(view), None
+    return _goto(state, view), env.page_text(view), None
 
 
 @tool("shop_click", "Open a listed product.", _ITEM, bounded=True)
@@ -253,7 +256,7 @@ def shop_click(env, state, item):
     if hit is None:
         return _error(state, f"{item[:40]!r} is not listed here.")
     view = View("product", product=hit.id)
-    return _goto(state, view), env.render(view), None
+    return _goto(state, view), env.page_text(view), None
 
 
 @tool("shop_select", "Choose an option.", _OPTION, bounded=True)
@@ -278,7 +281,7 @@ def shop_back(env, state):
     if not state.history:
         return _error(state, "there is no previous page.")
     view = state.history[-1]
-    return replace(state, view=view, history=state.history[:-1]), env.render(view), None
+    return replace(state, view=view, history=state.history[:-1]), env.page_text(view), None
 
 
 @tool("shop_buy", "Buy the open product.", _NONE, bounded=True)
@@ -306,6 +309,7 @@ class WebShopLiteEnv(Env):
             raise ValueError("max_steps must be at least 1")
         self.catalog_seed = catalog_seed                 # which generated catalog (tasks name it in their meta)
         self.max_steps = max_steps                       # turns per episode; at this one, nothing bought ends it
+                                                         # (the expert needs 5 where a product has two options)
         self.catalog = make_catalog(catalog_seed)        # every product, by id
         self.products = {p.id: p for p in self.catalog}  # id -> product
         self._tasks = {"train": [], "test": []}          # every task of each split, in catalog order
@@ -342,7 +346,7 @@ class WebShopLiteEnv(Env):
         random.Random(seed).shuffle(space)
         return space[:n]
 
-    def render(self, view: View) -> str:
+    def page_text(self, view: View) -> str:
         """The observation of a page."""
         if view.page == "results":
             return "\n".join(result_line(self.products[i]) for i in view.results) or "No results."
@@ -360,18 +364,21 @@ class WebShopLiteEnv(Env):
     def step(self, state: ShopState, action: Action) -> tuple[ShopState, list[dict], float, bool, dict]:
         """Env.step, plus the step limit (reward 0) and the episode's metrics on its final step."""
         state, obs, reward, done, info = super().step(state, action)
+        if not action.tool_calls:                        # Env.step answered it with an error (on_text or parse)
+            state = replace(state, idle_turns=state.idle_turns + 1)
         if not done and state.turn >= self.max_steps:
             state, obs, done = replace(state, done=True), [], True
         if done:
             info = {**info, "metrics": {"success": float(reward == 1.0), "bought": float(state.answer is not None),
-                                        "invalid_actions": float(state.tool_errors + state.texts),
+                                        "invalid_actions": float(state.tool_errors + state.idle_turns),
                                         "steps": float(state.turn)}}
         return state, obs, reward, done, info
 
     def on_text(self, state: ShopState, text: str) -> tuple[ShopState, list[dict], float, bool, dict]:
-        """Plain text buys nothing: an invalid action, answered with an error; the episode goes on."""
+        """Plain text buys nothing: an invalid action (step counts it), answered with an error; the episode
+        goes on."""
         error = "Error: no tool call. Use shop_search, shop_click, shop_select, shop_back or shop_buy."
-        return replace(state, texts=state.texts + 1), [tool_message("error", error)], 0.0, False, {}
+        return state, [tool_message("error", error)], 0.0, False, {}
 
     def score(self, task: Task, answer: str | None) -> float:
         bought = parse_purchase(answer)
@@ -393,9 +400,9 @@ class WebShopLiteEnv(Env):
             messages.extend(obs)
             return state
 
-        state = act(state, "shop_search", query=f"{goal['color']} {goal['material']} {goal['category']}")
-        listed = [self.products[i] for i in state.view.results]
         title = f"{goal['color']} {goal['material']} {goal['category']}"
+        state = act(state, "shop_search", query=title)
+        listed = [self.products[i] for i in state.view.results]
         if use_tools:
             pick = next((p for p in listed if p.title == title and p.price < goal["max_price"]), None)
         else:
