@@ -47,9 +47,9 @@ training tasks; every user of a task's database is drawn from the task's split.
 Expert (demonstration, use_tools=True): ask name and zip, find_user, ask for the order (and item,
 colour or address), get_order (or list_orders when the customer does not know the id), the write (or
 none), tell the required information; 5-6 turns. use_tools=False is a weaker habit: for a cancel
-request with a known order id it calls cancel_order without reading the order first, one turn less;
-on a delivered order that is a refused call (a policy violation) whose error tells the status, which
-it then relays, so it still succeeds. The optional rule-based judge (judge="rules", training only)
+request with a known order id it calls cancel_order without reading the order first (one turn less on
+a pending order; on a delivered one the call is refused, a policy violation, and the error tells the
+status, which it then relays), so it still succeeds. The optional rule-based judge (judge="rules", training only)
 penalises exactly that habit.
 """
 import hashlib
@@ -463,9 +463,9 @@ class TauEnv(Env):
         self.judge_kind = judge            # None: no judge; "rules": the rule-based judge (training only)
 
     def system_prompt(self) -> str:
-        return ("You are a shop support agent. Verify the user with find_user before reading orders or changing "
-                "anything. Only pending orders can be cancelled; only delivered ones returned or exchanged. "
-                "Write plain text to talk to the user.")
+        return ("You are a shop support agent. Verify the user with find_user before reading or changing "
+                "anything. Only pending orders can be cancelled, only delivered ones returned or exchanged. "
+                "Plain text goes to the user.")
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
