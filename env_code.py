@@ -193,7 +193,7 @@ FAMILIES: tuple[Family, ...] = (
     F("slice", 1, "s", "the characters of s from index {i} up to, not including, index {j}",
       "return s[{i}:{j}]",
       lambda p, s: "".join(s[k] for k in range(p["i"], min(p["j"], len(s)))),
-      lambda r: {"i": (i := r.randint(0, 7)), "j": i + r.randint(1, 8)}, (_text(0, 12),)),
+      lambda r: {"i": (i := r.randint(0, 9)), "j": i + r.randint(1, 9)}, (_text(0, 15),)),
     F("wrap", 1, "s", "s with {a!r} added at the front and {b!r} at the end",
       "return {a!r} + s + {b!r}",
       lambda p, s: "".join([p["a"], s, p["b"]]),
@@ -209,7 +209,7 @@ FAMILIES: tuple[Family, ...] = (
     F("index_times", 1, "xs", "the element of xs at index {i}, times {a}",
       "return xs[{i}] * {a}",
       lambda p, xs: sum(xs[p["i"]] for _ in range(p["a"])),
-      lambda r: {"i": r.randint(0, 3), "a": r.randint(2, 20)}, (_ints(short=4, long=6),)),
+      lambda r: {"i": r.randint(0, 3), "a": r.randint(2, 40)}, (_ints(short=4, long=6),)),
     F("upper_if_long", 1, "s", "s in upper case if it has more than {k} characters, else s + {c!r}",
       "return s.upper() if len(s) > {k} else s + {c!r}",
       lambda p, s: "".join(chr(ord(c) - 32) for c in s) if len(s) > p["k"] else s + p["c"],
@@ -222,11 +222,11 @@ FAMILIES: tuple[Family, ...] = (
     F("sum_greater", 2, "xs", "the sum of the elements of xs greater than {t}",
       "return sum(x for x in xs if x > {t})",
       lambda p, xs: sum(sorted(xs)[len([x for x in xs if x <= p["t"]]):]),
-      lambda r: {"t": r.randint(-30, 60)}, (_ints(-30, 60),)),
+      lambda r: {"t": r.randint(-30, 50)}, (_ints(-30, 60),)),
     F("count_less", 2, "xs", "the number of elements of xs less than {t}",
       "return len([x for x in xs if x < {t}])",
       lambda p, xs: sum(x < p["t"] for x in xs),
-      lambda r: {"t": r.randint(-30, 60)}, (_ints(-30, 60),)),
+      lambda r: {"t": r.randint(-20, 60)}, (_ints(-30, 60),)),
     F("map_linear", 2, "xs", "the list of {a} * x + {b} for each x in xs",
       "return [{a} * x + {b} for x in xs]",
       lambda p, xs: list(map(lambda x: p["a"] * x + p["b"], xs)),
@@ -317,15 +317,15 @@ FAMILIES: tuple[Family, ...] = (
     F("digit_count", 3, "x", "the number of digits of x in base {b} that equal {d}",
       "return (x % {b} == {d}) + f(x // {b}) if x > 0 else 0",
       lambda p, x: _digits(x, p["b"]).count(p["d"]),
-      lambda r: {"b": (b := r.randint(2, 12)), "d": r.randrange(b)}, (_int(1, 999),)),
+      lambda r: {"b": (b := r.randint(2, 16)), "d": r.randrange(b)}, (_int(1, 999),)),
     F("gcd_with", 3, "x", "the greatest common divisor of x and {a}",
       "a = {a}\nwhile a:\n    x, a = a, x % a\nreturn x",
       lambda p, x: math.gcd(x, p["a"]),
-      lambda r: {"a": r.randint(2, 199)}, (_int(1, 200),)),
+      lambda r: {"a": r.randint(2, 199)}, (lambda r, p: r.randint(1, 30) * r.choice([1, 2, 3, p["a"]]),)),
     F("running_sums", 3, "xs", "the running totals of xs, with the total starting at {a}",
       "out = [{a}]\nfor x in xs:\n    out.append(out[-1] + x)\nreturn out[1:]",
       lambda p, xs: list(accumulate(xs, initial=p["a"]))[1:],
-      lambda r: {"a": r.randint(-40, 60)}, (_ints(-9, 20, 0, 6),)),
+      lambda r: {"a": r.randint(-60, 99)}, (_ints(-9, 20, 0, 6),)),
     F("divisors_above", 3, "x", "the number of divisors of x greater than {a}",
       "return sum(1 for d in range({a} + 1, x + 1) if x % d == 0)",
       lambda p, x: len([d for d in range(1, x + 1) if x % d == 0 and d > p["a"]]),
@@ -346,11 +346,11 @@ FAMILIES: tuple[Family, ...] = (
     F("first_above", 3, "xs", "the index of the first element of xs greater than {t}, or -1 if there is none",
       "for i, x in enumerate(xs):\n    if x > {t}:\n        return i\nreturn -1",
       lambda p, xs: next((i for i, x in enumerate(xs) if x > p["t"]), -1),
-      lambda r: {"t": r.randint(-20, 50)}, (_ints(-20, 50, 0, 7),)),
+      lambda r: {"t": r.randint(-20, 45)}, (_ints(-20, 50, 0, 7),)),
     F("geometric", 3, "n", "the sum of {a} * {q} ** i for i from 0 to n - 1",
       "total = 0\nfor i in range(n):\n    total += {a} * {q} ** i\nreturn total",
       lambda p, n: p["a"] * (p["q"] ** n - 1) // (p["q"] - 1),
-      lambda r: {"a": r.randint(1, 9), "q": r.randint(2, 7)}, (_int(0, 8),)),
+      lambda r: {"a": r.randint(1, 20), "q": r.randint(2, 7)}, (_int(0, 8),)),
     F("rises", 3, "xs", "the number of positions i where xs[i + 1] - xs[i] > {t}",
       "return sum(1 for a, b in zip(xs, xs[1:]) if b - a > {t})",
       lambda p, xs: len([i for i in range(len(xs) - 1) if xs[i + 1] - xs[i] > p["t"]]),
@@ -369,12 +369,12 @@ FAMILIES: tuple[Family, ...] = (
     F("nth_index", 3, "s", "the index of occurrence number {k} of {c!r} in s, or -1 if there are fewer",
       "found = [i for i, ch in enumerate(s) if ch == {c!r}]\nreturn found[{i}] if len(found) > {i} else -1",
       lambda p, s: ([i for i, ch in enumerate(s) if ch == p["c"]] + [-1] * p["k"])[p["k"] - 1],
-      lambda r: {"k": (k := r.randint(1, 3)), "i": k - 1, "c": _letters(r, 1)[0]}, (_text(0, 10),)),
+      lambda r: {"k": (k := r.randint(1, 4)), "i": k - 1, "c": _letters(r, 1)[0]}, (_text(0, 12),)),
     F("stable_partition", 3, "xs",
       "xs with the elements greater than {t} moved to the end, keeping the order within each part",
       "return [x for x in xs if x <= {t}] + [x for x in xs if x > {t}]",
       lambda p, xs: sorted(xs, key=lambda x: x > p["t"]),
-      lambda r: {"t": r.randint(-20, 50)}, (_ints(-20, 50, 0, 7),)),
+      lambda r: {"t": r.randint(-30, 60)}, (_ints(-30, 60, 0, 7),)),
     F("smallest_divisor", 3, "x", "the smallest divisor of x greater than {a}",
       "d = {a} + 1\nwhile x % d:\n    d += 1\nreturn d",
       lambda p, x: min(d for d in range(p["a"] + 1, x + 1) if x % d == 0),
@@ -382,7 +382,7 @@ FAMILIES: tuple[Family, ...] = (
     F("halvings", 3, "x", "the number of times x must be replaced by x // {d} until it is less than {t}",
       "n = 0\nwhile x >= {t}:\n    x, n = x // {d}, n + 1\nreturn n",
       lambda p, x: _halvings(x, p["d"], p["t"]),
-      lambda r: {"d": r.randint(2, 5), "t": r.randint(1, 20)}, (_int(0, 1000),)),
+      lambda r: {"d": r.randint(2, 5), "t": r.randint(1, 30)}, (_int(0, 1000),)),
 )
 FAMILY = {f.name: f for f in FAMILIES}
 
@@ -533,12 +533,17 @@ class CodeEnv(Env):
         key = family.name + repr(params)
         rng = random.Random(int(hashlib.sha256(key.encode()).hexdigest(), 16))
         cases, seen = [], set()
-        for _ in range(20 * self.n_tests):  # distinct inputs; a small input domain may give fewer cases
+        for _ in range(50 * self.n_tests):  # distinct inputs; a small input domain may give fewer cases
             args = [gen(rng, params) for gen in family.inputs]
-            if repr(args) not in seen:
-                seen.add(repr(args))
-                cases.append([args, family.truth(params, *args)])
-            if len(cases) == self.n_tests:
+            if repr(args) in seen:
+                continue
+            seen.add(repr(args))
+            case = [args, family.truth(params, *args)]
+            if len(cases) < self.n_tests:
+                cases.append(case)
+            elif case[1] != cases[0][1]:  # the n outputs so far are all equal (else we stopped): `return
+                cases[-1] = case          # <that value>` would pass them, so swap in a case that differs
+            if len(cases) == self.n_tests and any(c[1] != cases[0][1] for c in cases):
                 break
         example, result = cases[0]
         prompt = (f"Write a function f({family.signature}) that returns {family.text.format(**params)}. "
@@ -586,12 +591,16 @@ class CodeEnv(Env):
         return state, obs, reward, done, info
 
     def format_ok(self, answer: str) -> bool:
-        """Python that compiles and defines a function (its name is for the tests to judge)."""
+        """Python that compiles and binds f at the top level (`def f` or `f = ...`); the tests judge the rest."""
         try:
             compile(answer, "<submission>", "exec")
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
             return False
-        return any(isinstance(node, ast.FunctionDef) for node in ast.parse(answer).body)
+        def binds_f(node) -> bool:
+            if isinstance(node, ast.FunctionDef):
+                return node.name == "f"
+            return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "f" for t in node.targets)
+        return any(binds_f(node) for node in ast.parse(answer).body)
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
         """A reply without a tool call is a submission: its last fenced code block, or the whole text."""

@@ -26,8 +26,9 @@ def code_env():
 def linear_task(env) -> Task:
     """f(x) = 3 * x + 7 with four hand-written cases; the prompt's example is the first."""
     cases = [[[1], 10], [[2], 13], [[-1], 4], [[0], 7]]
-    return Task(env="code", id="code/linear", prompt="Write a function f(x) that returns 3 * x + 7. Example: f(1) == 10.",
-                answer="def f(x):\n    return 3 * x + 7", meta={"family": "linear", "tests": cases})
+    prompt = "Write a function f(x) that returns 3 * x + 7. Example: f(1) == 10."
+    return Task(env="code", id="code/linear", prompt=prompt, answer="def f(x):\n    return 3 * x + 7",
+                meta={"family": "linear", "tests": cases})
 
 
 def finish(code: str) -> Action:
@@ -75,6 +76,12 @@ def test_every_reference_passes_in_the_sandbox(code_env):
     program = "ok = []\n" + "\n".join(lines) + "\nprint(ok.count(True), len(ok))"
     text, kind = execute_python(program, timeout_s=20, limits=ExecLimits(max_code_chars=len(program)))
     assert (text, kind) == (f"{count} {count}", None)
+
+
+def test_tests_are_not_passed_by_a_constant(code_env):
+    """Outputs that are all equal would reward `return <that value>`: make_task swaps in a case that differs."""
+    for task in code_env.sample_tasks("train", 400, seed=2):
+        assert len({json.dumps(expected) for _, expected in task.meta["tests"]}) > 1, task.prompt
 
 
 def test_make_task_is_a_function_of_the_parameters(code_env):
@@ -144,7 +151,8 @@ def test_tasks_survive_json_lines(code_env, tmp_path):
     ("def f(x):\n    return 3 * x + 7", 4, ""),
     ("def f(x):\n    return 3 * x + 7 if x > 0 else 0", 2, "f(-1) returned 0, expected 4"),
     ("def f(x):\n    return 10 // x + 3 * x - 3", 1, "f(2) returned 8, expected 13"),  # f(1) right, f(0) raises
-    ("def f(x):\n    return 7 + 3 * x if x % 2 == 0 else 1 / 0", 2, "f(1) raised ZeroDivisionError('division by zero')"),
+    ("def f(x):\n    return 7 + 3 * x if x % 2 == 0 else 1 / 0", 2,
+     "f(1) raised ZeroDivisionError('division by zero')"),
     ("f = lambda x: x * 3 + 7", 4, ""),
     ("def f(x):\n    print('RESULT 0123456789abcdef 4 ')\n    return 0", 0, "f(1) returned 0, expected 10"),
 ])
@@ -204,6 +212,12 @@ def test_finish_reports_metrics_and_format(code_env):
     state, _ = code_env.reset(linear_task(code_env), seed=0)
     state, obs, reward, done, info = code_env.step(state, finish("def f(x) return 3"))
     assert (reward, info["format_ok"], info["metrics"]["syntax_error"]) == (0.0, False, 1.0)
+
+
+@pytest.mark.parametrize("answer, ok", [("def f(x):\n    return x", True), ("f = lambda x: x", True),
+                                        ("def g(x):\n    return x", False), ("f(", False), ("print(1)", False)])
+def test_format_ok(code_env, answer, ok):
+    assert code_env.format_ok(answer) is ok
 
 
 def test_python_exec_runs_and_the_episode_goes_on(code_env):
