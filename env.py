@@ -348,6 +348,13 @@ class Env:
         """Reward of a final answer."""
         raise NotImplementedError
 
+    def grade_answer(self, task: Task, answer: str | None) -> tuple[float, dict]:
+        """(reward, extra info) of a final answer: what step() uses. Default: score() and nothing extra. An
+        env that learns more than a number while scoring (code: the share of unit tests passed, the first
+        failure) overrides this, so the answer is graded once; the dict is merged into step()'s info
+        (put numbers under "metrics")."""
+        return self.score(task, answer), {}
+
     def format_ok(self, answer: str) -> bool:
         """Whether an answer submitted through finish is well formed."""
         return bool(answer.strip())
@@ -414,8 +421,9 @@ class Env:
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
         """A message without tool calls. Default: it is the final answer (\\boxed{} or the last number)."""
         answer = extract_answer(text)
-        reward = self.score(state.task, answer)
-        return replace(state, done=True, answer=answer, reward=reward), [], reward, True, {"format_ok": False}
+        reward, extra = self.grade_answer(state.task, answer)
+        info = {"format_ok": False, **extra}
+        return replace(state, done=True, answer=answer, reward=reward), [], reward, True, info
 
     def run_tool_calls(self, state: EnvState, calls) -> tuple[EnvState, list[dict], float, bool, dict]:
         """Run calls in order, one observation each; a call that ends the episode (finish) stops the rest."""
@@ -423,8 +431,9 @@ class Env:
         for call in calls:
             state, text, kind = self.run_tool(state, call)
             if state.done:
-                reward = self.score(state.task, state.answer)
-                return replace(state, reward=reward), obs, reward, True, {"format_ok": self.format_ok(state.answer)}
+                reward, extra = self.grade_answer(state.task, state.answer)
+                info = {"format_ok": self.format_ok(state.answer), **extra}
+                return replace(state, reward=reward), obs, reward, True, info
             state = replace(state, tool_calls=state.tool_calls + 1, tool_errors=state.tool_errors + (kind is not None),
                             tool_timeouts=state.tool_timeouts + (kind == "timeout"))
             obs.append(tool_message(call.name, text))

@@ -44,7 +44,6 @@ import math
 import random
 import re
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -516,7 +515,6 @@ class CodeEnv(Env):
         self.holdout_families = tuple(holdout_families)  # never in "train"; "test" draws only these when set
         self.n_tests = n_tests                           # unit tests per task (the prompt's example is the first)
         self.tool_timeout = tool_timeout                 # seconds per python_exec call and per grading
-        self._graded = threading.local()                 # .last: the Grade of the latest score() in this thread
         if not self.train_families():
             raise ValueError("no family left for training: check level, families and holdout_families")
 
@@ -574,21 +572,13 @@ class CodeEnv(Env):
         return tasks
 
     def score(self, task: Task, answer: str | None) -> float:
+        return self.grade_answer(task, answer)[0]
+
+    def grade_answer(self, task: Task, answer: str | None) -> tuple[float, dict]:
+        """Run the unit tests once -> the reward, and for step()'s info: "metrics" (Grade.metrics: pass
+        fraction, ...) and "test_error" (the first failure)."""
         result = grade(answer, task.meta["tests"], self.tool_timeout)
-        self._graded.last = result
-        return result.reward
-
-    def step(self, state: EnvState, action: Action) -> tuple[EnvState, list[dict], float, bool, dict]:
-        """Env.step, plus on the final step info["metrics"] (Grade.metrics) and info["test_error"].
-
-        Env.step gets only the reward from score(); score() leaves its whole Grade in a thread-local slot,
-        read back here, so a submission runs once, not twice, to get both."""
-        self._graded.last = None
-        state, obs, reward, done, info = super().step(state, action)
-        result = self._graded.last
-        if done and result is not None:
-            info = {**info, "metrics": result.metrics(), "test_error": result.error}
-        return state, obs, reward, done, info
+        return result.reward, {"metrics": result.metrics(), "test_error": result.error}
 
     def format_ok(self, answer: str) -> bool:
         """Python that compiles and binds f at the top level (`def f` or `f = ...`); the tests judge the rest."""
@@ -605,8 +595,8 @@ class CodeEnv(Env):
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
         """A reply without a tool call is a submission: its last fenced code block, or the whole text."""
         code = extract_code(text)
-        reward = self.score(state.task, code)
-        return replace(state, done=True, answer=code, reward=reward), [], reward, True, {"format_ok": False}
+        reward, extra = self.grade_answer(state.task, code)
+        return replace(state, done=True, answer=code, reward=reward), [], reward, True, {"format_ok": False, **extra}
 
     def random_action(self, state: EnvState, rng: random.Random) -> Action:
         """A random tool with a random line of plausible but wrong code."""

@@ -296,7 +296,7 @@ def test_worker_cpu_limit_is_a_backstop():
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-I", "-S", "-c", src], capture_output=True, text=True, timeout=20,
                          input=json.dumps({"code": "while True: pass", "cpu_seconds": 0}) + "\n")
-    assert out.returncode != 0 and out.stdout == "" and time.monotonic() - start < 5
+    assert out.returncode != 0 and out.stdout == "" and time.monotonic() - start < 15  # 1 s of CPU; slack for a busy machine
 
 
 def test_sandbox_is_thread_safe():
