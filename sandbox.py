@@ -356,7 +356,10 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
         last = tree.body[-1]
         tree.body[-1] = ast.copy_location(ast.Assign([ast.Name("__result__", ast.Store())], last.value), last)
         ast.fix_missing_locations(tree)
-    program = compile(tree, "<program>", "exec")  # before the hook: compiling raises an audit event
+    try:  # before the hook: compiling raises an audit event. `return 5` at top level parses but does not compile
+        program = compile(tree, "<program>", "exec")
+    except SyntaxError as e:
+        return f"Error: SyntaxError: {e.msg} (line {e.lineno})", "error"
 
     modules = {}  # name -> a new module holding only the public names of the real one (no modules in it)
     for name in ALLOWED_MODULES:

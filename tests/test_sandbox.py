@@ -372,3 +372,10 @@ def test_python_exec_tool_in_a_step():
     assert (info["tool_timeouts"], info["tool_errors"], state.tool_timeouts, done) == (1, 1, 1, False)
     schema = env.TOOLS["python_exec"].schema()["function"]
     assert schema["parameters"]["required"] == ["code"] and len(schema["description"]) <= 60
+
+
+def test_code_that_parses_but_does_not_compile_is_a_syntax_error():
+    # the AST check accepts these; compile() in the child refuses them, and that must read as a SyntaxError
+    assert execute_python("return 5") == ("Error: SyntaxError: 'return' outside function (line 1)", "error")
+    text, kind = execute_python("x = 1\nnonlocal x")
+    assert kind == "error" and text.startswith("Error: SyntaxError:") and "(line 2)" in text
