@@ -14,18 +14,30 @@ How one RL step works (see train.py for where the batch comes from):
   3. micro-batch split invariance: each micro-batch's loss is weighted by its share of the global
      normaliser (its valid tokens for token-mean, its sequences for the sequence-mean modes), so the
      summed gradient equals the one of the whole mini-batch at once, whatever `micro_batch_size` is.
+  4. data parallel (torchrun): every rank holds the same global batch; each mini-batch's rows are split
+     across ranks (sorted by length, rank r takes every world-th row: balanced and deterministic) and
+     FSDP2 sums the ranks' gradients. The weights of point 3 are shares of the *global* mini-batch's
+     normaliser, so 1 process and N processes, with any micro-batch size, give the same gradient.
 
-Shapes: B sequences, T tokens.
+Sections: config and state; distributed (init, FSDP2 sharding, full state dicts); scoring; the RL update;
+the critic; SFT; LoRA (written out by hand); checkpoints.
+Shapes: B sequences, T tokens, r LoRA rank, in/out a linear layer's input/output features.
 Imports: model.py (the network, save/load) and algos.py (the losses) only.
 """
 import copy
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 import algos
 from model import Transformer, save_model
@@ -52,6 +64,12 @@ class LearnerConfig:
     kl_coef: float = 0.0                  # weight of the KL(policy || reference) term in the loss (0: off)
     kl_kind: str = "k3"                   # estimator for that term: k1|k2|k3
     entropy_coef: float = 0.0             # weight of an entropy bonus (0: entropy is only logged)
+    mixed_precision: bool = True          # under torchrun on GPUs: bf16 params/compute, fp32 gradient reduction
+                                          # (FSDP2 MixedPrecisionPolicy); ignored on CPU and in one process
+    lora_rank: int = 0                    # LoRA rank r (0: off, every parameter trains)
+    lora_alpha: float = 16.0              # LoRA scaling is lora_alpha / lora_rank
+    lora_dropout: float = 0.0             # dropout on the input of the adapter path (training only)
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # wrapped linears
 
 
 @dataclass
@@ -90,36 +108,179 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
 
 
 # -----------------------------------------------------------------------------
+# distributed: process group helpers, FSDP2 sharding, full state dicts
+#
+# `python train.py` is one process and none of this does anything. Under `torchrun --nproc_per_node N`
+# every rank builds the same model and calls the same learner functions on the same global batch; the
+# learner splits rows across ranks (file docstring, point 4). Every forward and backward of a sharded
+# model is a collective (parameters are all-gathered per layer), so every rank must run the same number
+# of them: `_rank_micro_batches` pads a rank that has fewer rows with zero-weight micro-batches.
+
+def init_distributed() -> tuple[int, int]:
+    """Join torchrun's process group (RANK, WORLD_SIZE, MASTER_ADDR... in the environment) or stay a single
+    process. gloo on CPU, NCCL on GPUs (one GPU per rank: LOCAL_RANK). -> (rank, world size)"""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    return get_rank(), get_world_size()
+
+
+def cleanup_distributed() -> None:
+    """Leave the process group (a no-op in one process). Every rank calls it at the end of an entry point."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Rank 0: the only rank that logs, evaluates and writes files."""
+    return get_rank() == 0
+
+
+def print0(*args) -> None:
+    if is_main():
+        print(*args, flush=True)
+
+
+def _on_gpu() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def all_reduce_(t: torch.Tensor, op=None) -> torch.Tensor:
+    """In-place all_reduce (default SUM) of a CPU tensor; NCCL only reduces GPU tensors, so it goes there and back."""
+    if get_world_size() == 1:
+        return t
+    op = dist.ReduceOp.SUM if op is None else op
+    if _on_gpu():
+        g = t.cuda()
+        dist.all_reduce(g, op=op)
+        t.copy_(g.cpu())
+    else:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank src's Python object on every rank (pickled): the rollout batch that rank 0 generated."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=torch.device("cuda", torch.cuda.current_device())
+                               if _on_gpu() else None)
+    return box[0]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
+    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), written out: each decoder
+    layer is its own unit (its parameters are all-gathered just before it runs and freed after), then the
+    root takes what is left (embeddings, final norm, lm_head; a Critic's value head). In one process the
+    model comes back unchanged. On GPUs the model moves to this rank's GPU and, with cfg.mixed_precision,
+    computes in bf16 while gradients are reduced in fp32 (the fp32 master weights stay sharded)."""
+    if get_world_size() == 1:
+        return model
+    mp = MixedPrecisionPolicy()                               # CPU: compute in the parameters' own dtype
+    if _on_gpu():
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+        if cfg.mixed_precision:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    decoder = model.backbone if isinstance(model, Critic) else model
+    for layer in decoder.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if hasattr(model, "token_logprobs"):
+        # FSDP2 hooks forward() only; the learner enters through token_logprobs, so hook that too
+        register_fsdp_forward_method(model, "token_logprobs")
+    # Our micro-batch weights already make the per-rank losses sum to the global loss: sum the gradients,
+    # do not average them (FSDP's default divides by the world size). Plain SUM collectives: gloo has no
+    # pre-multiplied sum. Each fully_shard unit keeps its own setting, so set it on all of them.
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    """Where the model computes (the CPU except under torchrun on GPUs); batches stay on the CPU until used."""
+    p = next(model.parameters())
+    return p.device
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model as plain tensors with their Hugging Face names (LoRA adapters included as
+    `<module>.lora_A`/`.lora_B`; see merged_state_dict for the engine's view). Sharded: every rank must call
+    it (it all-gathers); rank 0 gets the dict on the CPU, the others an empty dict. One process: the live
+    state_dict (no copy, as before)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    sd = get_model_state_dict(model, options=_FULL)
+    return sd if is_main() else {}
+
+
+# -----------------------------------------------------------------------------
 # scoring
 
 @torch.no_grad()
 def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_size: int,
                      temperature: float = 1.0, chunk_size: int = 256, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs of a whole batch, micro-batch by micro-batch, without gradients. -> (B, T)
-    With `mask`, rows are grouped by length and scored only up to their last masked token (0 beyond)."""
+    With `mask`, rows are grouped by length and scored only up to their last masked token (0 beyond).
+    Under torchrun each rank scores its share of the rows and a sum over ranks fills in the rest (the
+    other ranks' rows are exact zeros here), so every rank returns the same full (B, T) tensor."""
     was_training = model.training
     model.eval()
+    dev = _device(model)
     out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
     lens = _row_lens(mask) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
-    for idx in _micro_batches(lens, micro_batch_size):
+    for idx, dummy in _rank_micro_batches(lens, micro_batch_size):
         L = int(lens[idx].max())
-        out[idx, :L] = model.token_logprobs(input_ids[idx, :L], temperature=temperature, chunk_size=chunk_size)
+        logp = model.token_logprobs(input_ids[idx, :L].to(dev), temperature=temperature, chunk_size=chunk_size)
+        if not dummy:
+            out[idx, :L] = logp.float().cpu()                                    # (m, L)
     model.train(was_training)
-    return out
+    return all_reduce_(out)
 
 
 def _row_lens(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) position of each row's last trained token + 1 (1 for a row with none): the causal model never
-    needs to look further, so everything after it is padding as far as the update is concerned."""
+    """(B,) position of each row's last trained token + 1: the causal model never needs to look further, so
+    everything after it is padding as far as the update is concerned. At least 2 (when T allows): a row
+    with no trained token still makes a one-position loss that is 0 but has a graph, so its backward runs
+    (under FSDP a rank that skipped it would leave the other ranks waiting in a collective)."""
     pos = torch.arange(1, mask.shape[1] + 1)                                     # (T,)
-    return (mask.bool() * pos).max(dim=1).values.clamp(min=1)                    # (B,)
+    return (mask.bool() * pos).max(dim=1).values.clamp(min=min(2, mask.shape[1]))  # (B,)
 
 
-def _micro_batches(lens: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices in micro-batches of similar length (sorted), so a long row pads few short ones. The
-    update does not depend on how rows are split (file docstring, point 3), so the grouping is free."""
+def _rank_micro_batches(lens: torch.Tensor, size: int) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's micro-batches: [(row indices, dummy)], rows of similar length together (sorted), so a long
+    row pads few short ones. The update does not depend on how rows are split (file docstring, point 3),
+    so the grouping is free. Rank r takes every world-th row of the sorted order (each rank gets a similar
+    token count). A rank left with fewer micro-batches than the others gets `dummy` ones (the shortest
+    row, weight 0): under FSDP each forward/backward is a collective that every rank must join."""
     order = torch.argsort(lens, stable=True)
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    mine = order[get_rank()::get_world_size()]
+    plan = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
+    if get_world_size() > 1:
+        n = all_reduce_(torch.tensor([len(plan)]), dist.ReduceOp.MAX).item()
+        plan += [(order[:1], True)] * (n - len(plan))
+    return plan
 
 
 def _share(mask_mb: torch.Tensor, mask_all: torch.Tensor, agg_mode: str) -> float:
@@ -134,6 +295,8 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig) -> dict:
     params = [p for p in state.model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(grad_norm, "full_tensor"):          # sharded: a DTensor; the norm is of the full gradient
+        grad_norm = grad_norm.full_tensor()
     lr = lr_at(state.step, cfg)
     skipped = not torch.isfinite(grad_norm)
     if not skipped:
@@ -145,18 +308,27 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig) -> dict:
 
 
 def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss) -> dict:
-    """Run `micro_loss(idx, L) -> (weighted loss, metrics)` over micro-batches of rows (index tensors into
-    `mask`'s rows, grouped by length; L = the micro-batch's longest used length), backprop each, then take
-    one optimizer step. Metrics come back weighted the same way as the loss."""
+    """Run `micro_loss(idx, L) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
+    tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length), backprop each,
+    then take one optimizer step. Metrics come back weighted the same way as the loss, summed over ranks."""
     state.model.train()
     metrics: dict[str, float] = {}
     lens = _row_lens(mask)
-    for idx in _micro_batches(lens, cfg.micro_batch_size):
+    plan = _rank_micro_batches(lens, cfg.micro_batch_size)
+    for i, (idx, dummy) in enumerate(plan):
+        if is_sharded(state.model):               # reduce-scatter gradients once, after the last micro-batch
+            state.model.set_requires_gradient_sync(i == len(plan) - 1)
         loss, m = micro_loss(idx, int(lens[idx].max()))
+        if dummy:                                 # only here to join the collectives: contributes exactly 0
+            loss, m = loss * 0.0, {k: 0.0 for k in m}
         if loss.requires_grad:                    # a micro-batch with no trained token contributes nothing
             loss.backward()
         for k, v in m.items():
             metrics[k] = metrics.get(k, 0.0) + float(v)
+    if get_world_size() > 1:                      # every rank has the same keys (dummies included)
+        keys = sorted(metrics)
+        total = all_reduce_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
+        metrics = dict(zip(keys, total.tolist()))
     metrics.update(_optimizer_step(state, cfg))
     return metrics
 
@@ -167,6 +339,7 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
 def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tuple[LearnerState, dict]:
     """One RL update on a batch of trajectories -> (state, metrics namespaced 'train/...')."""
     model = state.model
+    dev = _device(model)
     mask = batch.loss_mask.float()                                            # (B, T)
     old = batch.old_logprobs
     if old is None:
@@ -189,20 +362,21 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
 
             def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
                 r = rows[idx]
-                ids, m = batch.input_ids[r, :L], mask[r, :L]                  # (m, L) columns past L are padding
+                ids, m = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) columns past L are padding
                 logp, ent = model.token_logprobs(ids, temperature=cfg.temperature,
                                                  chunk_size=cfg.logprob_chunk_size, return_entropy=True)
-                loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old[r, :L], batch.advantages[r, :L], m, cfg.loss)
+                loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old[r, :L].to(dev),
+                                                  batch.advantages[r, :L].to(dev), m, cfg.loss)
                 entropy = algos.aggregate(ent, m, cfg.loss.agg_mode, cfg.loss.agg_norm)
                 metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * entropy
                 if ref is not None:
-                    kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L], cfg.kl_kind), m,
+                    kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind), m,
                                          cfg.loss.agg_mode, cfg.loss.agg_norm)
                     loss = loss + cfg.kl_coef * kl
                     metrics["kl"] = kl.detach()
-                w = _share(m, mb_mask, cfg.loss.agg_mode)
+                w = _share(m.cpu(), mb_mask, cfg.loss.agg_mode)
                 return loss * w, {k: float(v) * w for k, v in metrics.items()}
 
             m = _accumulate(state, cfg, mb_mask, micro_loss)
@@ -249,17 +423,25 @@ class ValueBatch:
 
 @torch.no_grad()
 def compute_values(critic: Critic, input_ids: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
-    """(B, T) values of every position, without gradients."""
-    return torch.cat([critic(input_ids[i:i + micro_batch_size]) for i in range(0, input_ids.shape[0], micro_batch_size)])
+    """(B, T) values of every position, without gradients (rows split across ranks like compute_logprobs)."""
+    out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
+    dev = _device(critic)
+    for idx, dummy in _rank_micro_batches(torch.full((input_ids.shape[0],), input_ids.shape[1]), micro_batch_size):
+        v = critic(input_ids[idx].to(dev)).float().cpu()                         # (m, T)
+        if not dummy:
+            out[idx] = v
+    return all_reduce_(out)
 
 
 def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, value_clip: float) -> tuple[LearnerState, dict]:
     """One optimizer step of the clipped value loss (algos.value_loss), token-mean over the batch."""
     mask = batch.loss_mask.float()
+    dev = _device(state.model)
 
     def micro_loss(idx, L):
-        v = state.model(batch.input_ids[idx, :L])                               # (m, L)
-        loss, m = algos.value_loss(v, batch.old_values[idx, :L], batch.returns[idx, :L], mask[idx, :L], value_clip)
+        v = state.model(batch.input_ids[idx, :L].to(dev))                       # (m, L)
+        loss, m = algos.value_loss(v, batch.old_values[idx, :L].to(dev), batch.returns[idx, :L].to(dev),
+                                   mask[idx, :L].to(dev), value_clip)
         w = _share(mask[idx, :L], mask, "token-mean")
         return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
 
@@ -277,11 +459,12 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
     Token-mean over the whole batch, accumulated over micro-batches like train_step."""
     mask = loss_mask.float()                                                  # (B, T)
     model = state.model
+    dev = _device(model)
 
     def micro_loss(idx, L):
-        ids, m = input_ids[idx, :L], mask[idx, :L]
+        ids, m = input_ids[idx, :L].to(dev), mask[idx, :L]
         logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size)    # (m, T)
-        nll = algos.aggregate(-logp, m, "token-mean")
+        nll = algos.aggregate(-logp, m.to(dev), "token-mean")
         w = _share(m, mask, "token-mean")
         return nll * w, {"loss": float(nll.detach()) * w}
 
@@ -291,18 +474,165 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
 
 
 # -----------------------------------------------------------------------------
+# LoRA, written out (Hu et al. 2021, https://arxiv.org/abs/2106.09685)
+#
+# A wrapped linear computes  y = x W^T + b + s * dropout(x) A^T B^T,  s = alpha / r,  with W, b frozen and
+# only A (r, in) and B (out, r) trained. B starts at zero, so the wrapped model starts *equal* to the base.
+# The engine never sees LoRA: merged_state_dict folds W + s * B @ A into plain Hugging Face weights in
+# memory. Adapter files use PEFT's names and config, so `peft` (and vLLM's LoRA loader) read them.
+
+class LoRALinear(torch.nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update. The frozen weight keeps its Hugging Face name
+    (`...q_proj.weight`), so the base checkpoint loads into a wrapped model unchanged."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight                                     # (out, in) frozen
+        self.bias = base.bias                                         # (out,) frozen, or None
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        dt = base.weight.dtype
+        self.lora_A = torch.nn.Parameter(torch.empty(rank, self.in_features, dtype=dt))   # (r, in)
+        # PEFT's init: A like an nn.Linear's default (kaiming-uniform, a = sqrt(5)), B = 0
+        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        self.lora_B = torch.nn.Parameter(torch.zeros(self.out_features, rank, dtype=dt))  # (out, r)
+        self.scaling = alpha / rank
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)                                   # (..., out)
+        z = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)         # (..., r) -> (..., out)
+        return y + self.scaling * z
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float = 0.0,
+               targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+               seed: int = 0) -> torch.nn.Module:
+    """Wrap every nn.Linear whose attribute name is in `targets` with LoRALinear, in place, and freeze
+    everything else: afterwards only the adapters require grad. `seed` draws the A matrices (every rank
+    must draw the same ones). Apply before shard_model and before make_learner (its optimizer takes the
+    parameters that require grad)."""
+    model.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    wrapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if name in targets and isinstance(child, torch.nn.Linear):
+                setattr(parent, name, LoRALinear(child, rank, alpha, dropout, g))
+                wrapped.append(f"{parent_name}.{name}" if parent_name else name)
+    if not wrapped:
+        raise ValueError(f"apply_lora: no nn.Linear named one of {list(targets)} in the model")
+    # what save_adapter writes into adapter_config.json
+    model.lora_config = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+                         "target_modules": sorted({w.rsplit(".", 1)[-1] for w in wrapped})}
+    return model
+
+
+def _lora_modules(model: torch.nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the inference engine loads: Hugging Face names, with every LoRA weight merged in memory,
+    W' = W + s * B @ A (in fp32, then back to W's dtype). Without LoRA: full_state_dict(model). Sharded:
+    every rank calls it, rank 0 gets the dict (the others an empty one)."""
+    sd = full_state_dict(model)
+    lora = _lora_modules(model)
+    if not sd or not lora:
+        return sd
+    sd = dict(sd)                                  # a new dict: the live state_dict's entries stay untouched
+    for name, m in lora:
+        A, B, W = sd.pop(f"{name}.lora_A"), sd.pop(f"{name}.lora_B"), sd[f"{name}.weight"]  # (r, in) (out, r) (out, in)
+        sd[f"{name}.weight"] = (W.float() + m.scaling * (B.float() @ A.float())).to(W.dtype)  # (out, in)
+    return sd
+
+
+def _peft_name(name: str, which: str) -> str:
+    """'model.layers.0.self_attn.q_proj', 'A' -> 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'
+    (PEFT wraps the model twice, as `base_model.model`, and stores each adapter matrix as a Linear's weight)."""
+    return f"base_model.model.{name}.lora_{which}.weight"
+
+
+def save_adapter(model: torch.nn.Module, path: str, base_model: str = "") -> None:
+    """Write `path/adapter_model.safetensors` (PEFT names) and `path/adapter_config.json` (PEFT fields).
+    Only the adapters are gathered and written. Sharded: every rank calls it, rank 0 writes."""
+    if is_sharded(model):
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                  ignore_frozen_params=True))
+    else:
+        sd = model.state_dict()
+    if not is_main():
+        return
+    tensors = {}
+    for name, _ in _lora_modules(model):
+        for which in ("A", "B"):
+            tensors[_peft_name(name, which)] = sd[f"{name}.lora_{which}"].detach().cpu().contiguous()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
+              **model.lora_config}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def load_adapter(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """Copy the adapters in `path` (save_adapter's files) into a model wrapped by apply_lora with the same
+    rank and targets. Every adapter must be present and no other name; every rank reads the files."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    if config["r"] != model.lora_config["r"] or float(config["lora_alpha"]) != float(model.lora_config["lora_alpha"]):
+        raise ValueError(f"adapter {path}: r={config['r']}, alpha={config['lora_alpha']} but the model has "
+                         f"r={model.lora_config['r']}, alpha={model.lora_config['lora_alpha']}")
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    names = {_peft_name(n, w): f"{n}.lora_{w}" for n, _ in _lora_modules(model) for w in ("A", "B")}
+    if set(tensors) != set(names):
+        raise ValueError(f"adapter {path}: missing {sorted(set(names) - set(tensors))[:5]}, "
+                         f"unexpected {sorted(set(tensors) - set(names))[:5]}")
+    sd = {names[k]: v for k, v in tensors.items()}
+    if is_sharded(model):                          # each rank keeps its shard of the full tensors
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for k, v in sd.items():
+                params[k].copy_(v)
+    return model
+
+
+# -----------------------------------------------------------------------------
 # checkpoints: weights in Hugging Face layout + optimizer, step and RNG state beside them
 
-def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None) -> None:
+def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, base_model: str = "") -> None:
     """Write `path/` as a loadable HF folder (config.json, model.safetensors) plus `trainer_state.pt`
-    (optimizer, step, RNG states) and `trainer_state.json` (step and `extra`, human-readable)."""
-    os.makedirs(path, exist_ok=True)
-    if isinstance(state.model, Transformer):
-        save_model(state.model, path)                     # Hugging Face layout: loadable by any engine
+    (optimizer, step, RNG states) and `trainer_state.json` (step and `extra`, human-readable). A LoRA model
+    writes only its adapter (save_adapter: PEFT names; `base_model` goes into adapter_config.json).
+    Sharded: every rank calls it (weights and optimizer state are gathered), rank 0 writes. The optimizer
+    state is keyed by parameter name, so a checkpoint resumes under any number of processes."""
+    model = state.model
+    if _lora_modules(model):
+        save_adapter(model, path, base_model)
+        sd = {}
     else:
-        save_file({k: v.detach().clone() for k, v in state.model.state_dict().items()},  # clone: tied weights
+        sd = full_state_dict(model)
+    optim = get_optimizer_state_dict(model, state.optimizer, options=_FULL)
+    if not is_main():
+        return
+    os.makedirs(path, exist_ok=True)
+    if sd and isinstance(model, Transformer):
+        if is_sharded(model):     # save_model reads a module: give it an unsharded one holding the gathered tensors
+            with torch.device("meta"):
+                plain = Transformer(model.cfg)
+            plain.load_state_dict(sd, strict=False, assign=True)
+            plain.tie_weights()
+            model = plain
+        save_model(model, path)                           # Hugging Face layout: loadable by any engine
+    elif sd:
+        save_file({k: v.detach().clone() for k, v in sd.items()},  # clone: tied weights
                   os.path.join(path, "model.safetensors"))
-    torch.save({"optimizer": state.optimizer.state_dict(), "step": state.step,
+    torch.save({"optimizer": optim, "step": state.step,
                 "rng": state.rng.get_state(), "torch_rng": torch.get_rng_state()},
                os.path.join(path, "trainer_state.pt"))
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
@@ -315,16 +645,26 @@ def _tied(model) -> bool:
 
 
 def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
-    """Restore weights, optimizer, step and RNG from `path` into `state` (built the same way as when saved)."""
-    sd = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        sd.update(load_file(f))
-    missing, unexpected = state.model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not (k.endswith("lm_head.weight") and _tied(state.model))]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    """Restore weights (or a LoRA model's adapters), optimizer, step and RNG from `path` into `state` (built
+    the same way as when saved, with any number of processes). Every rank reads the files."""
+    if _lora_modules(state.model):
+        load_adapter(state.model, path)
+    else:
+        sd = {}
+        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            sd.update(load_file(f))
+        expected = set(state.model.state_dict())
+        missing = [k for k in expected - set(sd) if not (k.endswith("lm_head.weight") and _tied(state.model))]
+        unexpected = sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path}: missing {sorted(missing)[:5]}, unexpected {unexpected[:5]}")
+        if is_sharded(state.model):               # each rank keeps its shard of the full tensors
+            set_model_state_dict(state.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            state.model.load_state_dict(sd, strict=False)
     ts = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    state.optimizer.load_state_dict(ts["optimizer"])
+    set_optimizer_state_dict(state.model, state.optimizer, ts["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
     state.rng.set_state(ts["rng"])
     torch.set_rng_state(ts["torch_rng"])
     return replace(state, step=ts["step"])
