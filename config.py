@@ -246,6 +246,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
+    if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):
+        raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
+                         "non-empty")
     return cfg
 
 

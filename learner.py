@@ -135,6 +135,12 @@ def cleanup_distributed() -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op in one process): e.g. until rank 0 has built a shared file."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -622,13 +628,8 @@ def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, b
         return
     os.makedirs(path, exist_ok=True)
     if sd and isinstance(model, Transformer):
-        if is_sharded(model):     # save_model reads a module: give it an unsharded one holding the gathered tensors
-            with torch.device("meta"):
-                plain = Transformer(model.cfg)
-            plain.load_state_dict(sd, strict=False, assign=True)
-            plain.tie_weights()
-            model = plain
-        save_model(model, path)                           # Hugging Face layout: loadable by any engine
+        # Hugging Face layout: loadable by any engine. save_model reads a module: a sharded one is not one
+        save_model(_plain_model(model.cfg, sd) if is_sharded(model) else model, path)
     elif sd:
         save_file({k: v.detach().clone() for k, v in sd.items()},  # clone: tied weights
                   os.path.join(path, "model.safetensors"))
@@ -637,6 +638,23 @@ def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, b
                os.path.join(path, "trainer_state.pt"))
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
         json.dump({"step": state.step, **(extra or {})}, f, indent=2)
+
+
+def _plain_model(cfg, sd: dict) -> Transformer:
+    """An unsharded Transformer holding the tensors of `sd` (no copy)."""
+    with torch.device("meta"):
+        plain = Transformer(cfg)
+    plain.load_state_dict(sd, strict=False, assign=True)
+    plain.tie_weights()
+    return plain
+
+
+def save_merged(model: Transformer, path: str) -> None:
+    """A Hugging Face folder (config.json, model.safetensors) of merged_state_dict(model): a LoRA run's
+    weights as a plain model that eval.py, transformers or vLLM load. Every rank calls it, rank 0 writes."""
+    sd = merged_state_dict(model)
+    if is_main():
+        save_model(_plain_model(model.cfg, {k: v.detach().cpu() for k, v in sd.items()}), path)
 
 
 def _tied(model) -> bool:

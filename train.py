@@ -1,6 +1,7 @@
 """train.py: RL training of a tool-using LLM agent, top to bottom.
 
     python train.py --config configs/toy_math.yaml [key.sub=value ...]
+    torchrun --nproc_per_node 2 train.py --config configs/toy_math.yaml [key.sub=value ...]
 
 config -> build (model, tokenizer, envs, engine, learner) -> loop:
     sample prompts -> rollouts (n per prompt, multi-turn, tools) -> rewards -> group advantages
@@ -13,6 +14,15 @@ resumed run repeats exactly what an uninterrupted one would have done.
 Outputs in runs/<run_name>/: config.yaml (resolved), metrics.jsonl (one JSON object per step),
 episodes_step<N>.jsonl (held-out episodes), curves.png (reward and held-out accuracy), checkpoints,
 and wandb/ (offline unless WANDB_MODE says otherwise). Shapes: B sequences, T tokens, G group size.
+
+Under torchrun (N processes): every rank builds the same model and the learner shards it (FSDP2,
+learner.shard_model). Rank 0 alone owns the inference engine and the envs: it generates each step's
+rollouts exactly as one process would (same seeds) and broadcasts the batch; every rank then computes the
+same advantages and takes its share of the rows in the update (learner.py, point 4), so a run is
+deterministic and its updates equal a single process's. Rank 0 alone evaluates, logs and writes
+checkpoints; the engine push gathers the full (LoRA-merged) state dict onto rank 0. The design is the
+simplest correct one, and it scales the learner only: rollouts run on one rank while the others wait
+(rank-parallel rollouts would need one engine per rank and a gather of the trajectories).
 """
 import argparse
 import copy
@@ -33,8 +43,9 @@ from agent import SamplingParams, rollout_metrics, run_episodes, to_batch
 from config import Config, load_config, to_dict
 from env import make_env
 from eval import dump_episodes, evaluate, heldout_tasks
-from learner import (Critic, TrainBatch, ValueBatch, compute_logprobs, compute_values, critic_step, load_checkpoint,
-                     make_learner, save_checkpoint, train_step)
+from learner import (Critic, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object, cleanup_distributed,
+                     compute_logprobs, compute_values, critic_step, init_distributed, is_main, load_checkpoint,
+                     make_learner, merged_state_dict, save_checkpoint, save_merged, shard_model, train_step)
 from model import load_model
 from plot import save_curves
 from rollout import TorchEngine
@@ -88,12 +99,13 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
 
 
 class Logger:
-    """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step."""
+    """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step.
+    On ranks other than 0 (`enabled=False`) it writes nothing."""
 
-    def __init__(self, run_dir: str, cfg: Config, resume: bool):
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w")
+    def __init__(self, run_dir: str, cfg: Config, resume: bool, enabled: bool = True):
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w") if enabled else None
         self.wandb = None
-        if cfg.wandb:
+        if cfg.wandb and enabled:
             os.environ.setdefault("WANDB_MODE", "offline")
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -101,13 +113,16 @@ class Logger:
                                     config=to_dict(cfg), resume="allow")
 
     def log(self, step: int, metrics: dict):
+        if self.file is None:
+            return
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
     def finish(self):
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -121,14 +136,19 @@ def main(cfg: Config) -> dict:
                          "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    rank, world = init_distributed()              # (0, 1) for `python train.py`; torchrun sets the rest
     torch.manual_seed(cfg.seed)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    if is_main():
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
     # -------------------------------------------------------------------------
     # model, tokenizer, envs, engine, learner
+    if cfg.model.path == "default" and is_main():
+        build_default_model(cfg)                  # rank 0 builds (or finds) the cached model ...
+    barrier()                                     # ... the other ranks then find it cached
     model_dir = build_default_model(cfg) if cfg.model.path == "default" else cfg.model.path
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     pad_id = tokenizer.token_to_id("<|endoftext|>")
@@ -137,19 +157,33 @@ def main(cfg: Config) -> dict:
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
     # with the KL in the reward, the loss must not count it a second time
     learner_cfg = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
-    state = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
-    critic_state, critic_cfg = None, replace(cfg.learner, lr=cfg.algo.critic_lr)
+    critic_state, critic_cfg = None, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
-        critic_state = make_learner(Critic(model), critic_cfg, seed=cfg.seed + 1)
+        critic_state = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
+    # --- LoRA and sharding (learner.py): the engine, the reference and the critic get the plain base model
+    engine_model = copy.deepcopy(model).eval() if is_main() else None
+    if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
+        lc = cfg.learner
+        apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
+    model = shard_model(model, learner_cfg)           # one process: unchanged
+    if ref_model is not None:
+        ref_model = shard_model(ref_model, learner_cfg)
+    state = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
     if cfg.resume:
         state = load_checkpoint(state, cfg.resume)
         if critic_state is not None:
             critic_state = load_checkpoint(critic_state, os.path.join(cfg.resume, "critic"))
     # The engine keeps its own copy of the weights, refreshed after every update through update_weights:
     # the same push a vLLM or remote engine needs, so the loop does not depend on sharing memory.
-    engine = TorchEngine(copy.deepcopy(model).eval(), pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
-    envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
-    eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
+    # Only rank 0 has one (and the envs): it generates every rollout.
+    weights = merged_state_dict(state.model) if cfg.resume or cfg.learner.lora_rank else None
+    engine = envs = eval_tasks = None
+    if is_main():
+        engine = TorchEngine(engine_model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+        if weights is not None:                       # resumed: the checkpoint's weights, not the base's
+            engine.update_weights(weights)
+        envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
+        eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     agent_cfg = cfg.rollout.agent
     G = agent_cfg.n_samples
 
@@ -162,17 +196,24 @@ def main(cfg: Config) -> dict:
         return {**m, "perf/eval_seconds": time.time() - t0}
 
     def checkpoint(name: str):
+        """Every rank calls it (weights are gathered), rank 0 writes. A LoRA run writes its adapter (PEFT
+        files) and, in `final/merged/`, the merged model that eval.py loads."""
         path = os.path.join(run_dir, name)
-        save_checkpoint(state, path, extra={"run_name": cfg.run_name})
+        save_checkpoint(state, path, extra={"run_name": cfg.run_name}, base_model=model_dir)
         if critic_state is not None:
             save_checkpoint(critic_state, os.path.join(path, "critic"))
-        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copy(os.path.join(model_dir, f), path)
+        folders = [path]
+        if cfg.learner.lora_rank and name == "final":
+            save_merged(state.model, os.path.join(path, "merged"))
+            folders.append(os.path.join(path, "merged"))
+        for folder in folders if is_main() else []:
+            for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+                shutil.copy(os.path.join(model_dir, f), folder)
 
-    logger = Logger(run_dir, cfg, resume=bool(cfg.resume))
+    logger = Logger(run_dir, cfg, resume=bool(cfg.resume), enabled=is_main())
     history = []                                   # (step, metrics) of this process, for the plot
     start = state.step if cfg.resume else 0
-    if start == 0:
+    if start == 0 and is_main():
         m = run_eval(0)
         logger.log(0, m)
         history.append((0, m))
@@ -180,13 +221,18 @@ def main(cfg: Config) -> dict:
 
     # -------------------------------------------------------------------------
     # the RL loop
-    bar = tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True)
+    bar = tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True,
+               disable=not is_main())
     for step in bar:
         t0 = time.time()
-        # --- rollouts: n samples per prompt, multi-turn with tools, token-exact trajectories
-        trajs, rounds = collect_rollouts(cfg, engine, envs, tokenizer, step)
-        batch = to_batch(trajs, pad_id)
-        metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds}
+        # --- rollouts: n samples per prompt, multi-turn with tools, token-exact trajectories (rank 0), then
+        #     the batch goes to every rank
+        batch, metrics = None, {}
+        if is_main():
+            trajs, rounds = collect_rollouts(cfg, engine, envs, tokenizer, step)
+            batch = to_batch(trajs, pad_id)
+            metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds}
+        batch = broadcast_object(batch)
         t_rollout = time.time() - t0
 
         # --- rewards -> advantages (algorithm code: see algos.py for the equations)
@@ -229,30 +275,36 @@ def main(cfg: Config) -> dict:
                 critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,
                                                                        returns), critic_cfg, cfg.algo.value_clip)
                 metrics.update(m)
-            engine.update_weights(state.model.state_dict())
+            weights = merged_state_dict(state.model)  # gathered onto rank 0 (LoRA merged in)
+            if is_main():
+                engine.update_weights(weights)
         metrics["train/skipped_uniform"] = float(not mixed and cfg.algo.skip_uniform_batches)
         t_train = time.time() - t1
         metrics.update({"perf/rollout_seconds": t_rollout, "perf/train_seconds": t_train,
                         "perf/step_seconds": time.time() - t0,
                         "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),
                         "perf/train_tokens_per_s": int(batch.lengths.sum()) / max(t_train, 1e-9),
-                        "perf/elapsed_minutes": (time.time() - t_start) / 60})
+                        "perf/elapsed_minutes": (time.time() - t_start) / 60, "perf/world_size": world})
 
         # --- eval, log, checkpoint
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics.update(run_eval(step))
-        logger.log(step, metrics)
-        history.append((step, metrics))
-        bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
-                        acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
+        if is_main():
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                metrics.update(run_eval(step))
+            logger.log(step, metrics)
+            history.append((step, metrics))
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
+                            acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             checkpoint(f"checkpoints/step_{step}")
 
     # -------------------------------------------------------------------------
     # the end: final checkpoint, curves, summary
     checkpoint("final")
-    save_curves(history, os.path.join(run_dir, "curves.png"))
     logger.finish()
+    if not is_main():
+        cleanup_distributed()
+        return {"run_dir": run_dir}
+    save_curves(history, os.path.join(run_dir, "curves.png"))
     evals = [(s, m["eval/accuracy"]) for s, m in history if "eval/accuracy" in m]
     summary = {"run_dir": run_dir, "minutes": (time.time() - t_start) / 60, "eval_curve": evals,
                "final_accuracy": evals[-1][1] if evals else None}
@@ -260,6 +312,7 @@ def main(cfg: Config) -> dict:
         json.dump(summary, f, indent=2)
     print(f"done in {summary['minutes']:.1f} min; held-out accuracy by step: "
           + ", ".join(f"{s}: {a:.3f}" for s, a in evals))
+    cleanup_distributed()
     return summary
 
 

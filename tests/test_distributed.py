@@ -75,3 +75,31 @@ def test_full_state_dict_and_training_match_one_process(grads):
         changed += not torch.equal(v, one["fresh"][k])
     assert changed > 10
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
+def test_train_py_under_torchrun_matches_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` for 2 steps: rank 0 alone writes metrics.jsonl (one record per
+    step) and the checkpoint; the rollouts are rank 0's, generated with the same seeds as one process, so the
+    first update's metrics equal a single-process run's."""
+    from config import load_config
+    from sft import build_default_model
+    from test_train import TINY
+    from train import main
+
+    args = TINY + [f"model.cache_dir={tmp_path}/cache", f"out_dir={tmp_path}/runs", "steps=2", "eval_every=100",
+                   "threads=1", "learner.micro_batch_size=3"]
+    build_default_model(load_config("configs/toy_math.yaml", args))      # once, before either run
+    torchrun(["train.py", "--config", "configs/toy_math.yaml", *args, "run_name=two"], timeout=240)
+    one = main(load_config("configs/toy_math.yaml", args + ["run_name=one"]))
+    read = lambda name: [json.loads(l) for l in open(os.path.join(tmp_path, "runs", name, "metrics.jsonl"))]
+    two_lines, one_lines = read("two"), read("one")
+    assert [l["step"] for l in two_lines] == [0, 1, 2]                   # written once: by rank 0 only
+    assert two_lines[0]["eval/accuracy"] == one_lines[0]["eval/accuracy"]
+    a, b = two_lines[1], one_lines[1]
+    assert a["perf/world_size"] == 2 and b["perf/world_size"] == 1
+    assert a["rollout/reward"] == b["rollout/reward"] and a["rollout/total_tokens"] == b["rollout/total_tokens"]
+    for k in ("train/pg_loss", "train/entropy", "train/grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    for f in ("config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json"):
+        assert os.path.exists(os.path.join(tmp_path, "runs", "two", "final", f)), f
+    assert os.path.exists(os.path.join(one["run_dir"], "final", "model.safetensors"))
