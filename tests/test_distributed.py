@@ -6,6 +6,7 @@ The 2-process side runs tests/dist_cases.py under torchrun once per module; the 
 the same functions in this process."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,20 +16,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_cases  # noqa: E402
+from test_train import tiny  # noqa: E402,F401  (the session's tiny default model, built once)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], timeout: int = 180) -> str:
     """`torchrun --nproc_per_node 2 ARGS` from the repo root with this checkout first on the path."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     with socket.socket() as s:                           # a free port: tests may run beside other torchruns
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p
+    # its own process group, so that a timeout ends the workers too (killing torchrun alone orphans them)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun {args} timed out after {timeout} s:\n{out[-2000:]}\n{err[-2000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 def run_case(name: str, tmp_path) -> tuple[dict, dict]:
@@ -77,22 +87,22 @@ def test_full_state_dict_and_training_match_one_process(grads):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
 
 
-def test_train_py_under_torchrun_matches_one_process(tmp_path):
+def test_train_py_under_torchrun_matches_one_process(tiny):
     """`torchrun --nproc_per_node 2 train.py` for 2 steps: rank 0 alone writes metrics.jsonl (one record per
     step) and the checkpoint; the rollouts are rank 0's, generated with the same seeds as one process, so the
     first update's metrics equal a single-process run's."""
-    from config import load_config
     from sft import build_default_model
     from test_train import TINY
     from train import main
 
-    args = TINY + [f"model.cache_dir={tmp_path}/cache", f"out_dir={tmp_path}/runs", "steps=2", "eval_every=100",
-                   "threads=1", "learner.micro_batch_size=3"]
-    build_default_model(load_config("configs/toy_math.yaml", args))      # once, before either run
-    torchrun(["train.py", "--config", "configs/toy_math.yaml", *args, "run_name=two"], timeout=240)
-    one = main(load_config("configs/toy_math.yaml", args + ["run_name=one"]))
-    read = lambda name: [json.loads(l) for l in open(os.path.join(tmp_path, "runs", name, "metrics.jsonl"))]
-    two_lines, one_lines = read("two"), read("one")
+    extra = ["steps=2", "eval_every=100", "threads=1", "learner.micro_batch_size=3"]
+    one_cfg = tiny(*extra, "run_name=dp_one")
+    build_default_model(one_cfg)                                         # once (shared with test_train.py)
+    torchrun(["train.py", "--config", "configs/toy_math.yaml", *TINY, f"model.cache_dir={one_cfg.model.cache_dir}",
+              f"out_dir={one_cfg.out_dir}", *extra, "run_name=dp_two"], timeout=240)
+    one = main(one_cfg)
+    read = lambda name: [json.loads(l) for l in open(os.path.join(one_cfg.out_dir, name, "metrics.jsonl"))]
+    two_lines, one_lines = read("dp_two"), read("dp_one")
     assert [l["step"] for l in two_lines] == [0, 1, 2]                   # written once: by rank 0 only
     assert two_lines[0]["eval/accuracy"] == one_lines[0]["eval/accuracy"]
     a, b = two_lines[1], one_lines[1]
@@ -101,5 +111,5 @@ def test_train_py_under_torchrun_matches_one_process(tmp_path):
     for k in ("train/pg_loss", "train/entropy", "train/grad_norm"):
         assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     for f in ("config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json"):
-        assert os.path.exists(os.path.join(tmp_path, "runs", "two", "final", f)), f
+        assert os.path.exists(os.path.join(one_cfg.out_dir, "dp_two", "final", f)), f
     assert os.path.exists(os.path.join(one["run_dir"], "final", "model.safetensors"))
