@@ -523,6 +523,27 @@ def register_env(name: str):
     return register
 
 
+def sample_distinct(draw: Callable[[random.Random], "Task | None"], split: str, n: int, seed: int,
+                    hint: str = "") -> list[Task]:
+    """n tasks with distinct ids from `draw(rng)`, which returns a task of `split` or None (a draw of the
+    other split). Deterministic from `seed`; raises ValueError (ending in `hint`, the knob to loosen)
+    when the split runs out of distinct tasks. The rejection loop of every env's sample_tasks."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+    rng = random.Random(seed)
+    tasks, seen, misses = [], set(), 0
+    while len(tasks) < n:
+        task = draw(rng)
+        if task is None or task.id in seen:
+            misses += 1
+            if misses > 1000 + 100 * n:
+                raise ValueError(f"found only {len(tasks)} distinct {split} tasks of {n}{hint}")
+            continue
+        seen.add(task.id)
+        tasks.append(task)
+    return tasks
+
+
 def write_tasks(tasks: list[Task], path: str) -> None:
     """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset on disk."""
     import json
@@ -681,21 +702,11 @@ class ToyMathEnv(Env):
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-        rng = random.Random(seed)
-        tasks, seen, misses = [], set(), 0
-        while len(tasks) < n:
+        def draw(rng: random.Random) -> Task | None:
             kind = rng.choices(self.kinds, self.weights)[0]
             prompt, expression = _GENERATORS[kind](rng, self.max_operand)
-            if split_of(prompt) != split or prompt in seen:
-                misses += 1
-                if misses > 1000 + 100 * n:
-                    raise ValueError(f"found only {len(tasks)} distinct {split} tasks of {n}: raise max_operand")
-                continue
-            seen.add(prompt)
-            tasks.append(self.make_task(prompt, expression, kind))
-        return tasks
+            return self.make_task(prompt, expression, kind) if split_of(prompt) == split else None
+        return sample_distinct(draw, split, n, seed, ": raise max_operand")
 
     def score(self, task: Task, answer: str | None) -> float:
         return 1.0 if answers_match(answer, task.answer) else 0.0

@@ -49,8 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate, combinations
 
-from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, execute_python, register_env, split_of,
-                 tool_message)
+from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, execute_python, register_env,
+                 sample_distinct, split_of, tool_message)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -553,23 +553,13 @@ class CodeEnv(Env):
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
         by_family = split == "test" and self.holdout_families
         pool = self.holdout_families if by_family else self.train_families()
-        rng = random.Random(seed)
-        tasks, seen, misses = [], set(), 0
-        while len(tasks) < n:
+        def draw(rng: random.Random) -> Task | None:
             family = FAMILY[rng.choice(pool)]
             task = self.make_task(family, family.params(rng))
-            if task.prompt in seen or (not by_family and split_of(task.prompt) != split):
-                misses += 1
-                if misses > 1000 + 100 * n:
-                    raise ValueError(f"found only {len(tasks)} distinct {split} tasks of {n}: allow more families")
-                continue
-            seen.add(task.prompt)
-            tasks.append(task)
-        return tasks
+            return task if by_family or split_of(task.prompt) == split else None
+        return sample_distinct(draw, split, n, seed, ": allow more families")
 
     def score(self, task: Task, answer: str | None) -> float:
         return self.grade_answer(task, answer)[0]

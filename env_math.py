@@ -64,7 +64,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from env import (TOOLS, Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer,
-                 parse_number, register_env, split_of, tool_message)
+                 parse_number, register_env, sample_distinct, split_of, tool_message)
 
 # ----------------------------------------------------------------------------------------------------
 # Words, the Problem container, and \boxed{} answers (both envs)
@@ -300,22 +300,12 @@ class TextMathEnv(Env):
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-        rng = random.Random(seed)
-        tasks, seen, misses = [], set(), 0
-        while len(tasks) < n:
+        def draw(rng: random.Random) -> Task | None:
             kind = rng.choices(self.kinds, self.weights)[0]
             generate, knob = _GENERATORS[kind]
             problem = generate(rng, self.knobs[knob])
-            if split_of(problem.prompt) != split or problem.prompt in seen:
-                misses += 1
-                if misses > 1000 + 100 * n:
-                    raise ValueError(f"found only {len(tasks)} distinct {split} tasks of {n}")
-                continue
-            seen.add(problem.prompt)
-            tasks.append(self.make_task(problem))
-        return tasks
+            return self.make_task(problem) if split_of(problem.prompt) == split else None
+        return sample_distinct(draw, split, n, seed)
 
     def score(self, task: Task, answer: str | None) -> float:
         if answer is None:
