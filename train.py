@@ -4,7 +4,10 @@
 
 config -> build (model, tokenizer, envs, engine, learner) -> loop:
     sample prompts -> rollouts (n per prompt, multi-turn, tools) -> rewards -> group advantages
-    -> policy update -> push weights to the engine -> eval every k steps -> log -> checkpoint
+    -> policy update -> push weights to the engine -> weight-sync gate -> eval every k steps -> log -> checkpoint
+
+The engine (rollout.engine=torch|vllm) keeps its own copy of the weights, refreshed by a push after every
+update; the gate then checks that it really runs them (rollout.check_weight_sync) and stops the run if not.
 
 With `model.path: default` (the default) the embedded tiny model is built first (sft.py: tokenizer, tiny
 Qwen2, SFT warm start) and cached. Everything random is derived from `seed` and the step number, so a
@@ -37,7 +40,7 @@ from learner import (Critic, TrainBatch, ValueBatch, compute_logprobs, compute_v
                      make_learner, save_checkpoint, train_step)
 from model import load_model
 from plot import save_curves
-from rollout import TorchEngine
+from rollout import TorchEngine, VLLMEngine, check_weight_sync
 from sft import build_default_model
 
 
@@ -87,6 +90,25 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
     return [t for g in kept[:want] for t in g], rounds
 
 
+def build_engine(cfg: Config, model_dir: str, model, pad_id: int):
+    """The rollout engine, holding its own copy of the learner's current weights."""
+    if cfg.rollout.engine == "vllm":
+        r = cfg.rollout
+        engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, cache_dir=cfg.model.cache_dir,
+                            max_model_len=r.agent.max_total_tokens + max(r.max_tokens, r.sync_check_tokens),
+                            max_num_seqs=r.max_batch_size, gpu_memory_utilization=r.gpu_memory_utilization)
+        engine.update_weights(model.state_dict())  # a resumed learner is ahead of the folder vLLM loaded
+        return engine
+    return TorchEngine(copy.deepcopy(model).eval(), pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+
+
+def sync_threshold(cfg: Config) -> float:
+    """rollout.sync_max_logprob_diff, or its default for the dtype (see config.py)."""
+    if cfg.rollout.sync_max_logprob_diff is not None:
+        return cfg.rollout.sync_max_logprob_diff
+    return 1e-3 if cfg.model.dtype == "float32" else 0.5
+
+
 class Logger:
     """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step."""
 
@@ -116,7 +138,7 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------------
     # setup
     t_start = time.time()
-    if cfg.rollout.engine != "torch":
+    if cfg.rollout.engine == "openai":
         raise ValueError(f"rollout.engine={cfg.rollout.engine!r} cannot train: its weights cannot be pushed "
                          "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
     if cfg.threads:
@@ -145,9 +167,9 @@ def main(cfg: Config) -> dict:
         state = load_checkpoint(state, cfg.resume)
         if critic_state is not None:
             critic_state = load_checkpoint(critic_state, os.path.join(cfg.resume, "critic"))
-    # The engine keeps its own copy of the weights, refreshed after every update through update_weights:
-    # the same push a vLLM or remote engine needs, so the loop does not depend on sharing memory.
-    engine = TorchEngine(copy.deepcopy(model).eval(), pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+    # The engine keeps its own copy of the weights, refreshed after every update through update_weights,
+    # whatever the engine: the loop never depends on sharing memory with it.
+    engine = build_engine(cfg, model_dir, state.model, pad_id)
     envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
     eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     agent_cfg = cfg.rollout.agent
@@ -221,17 +243,32 @@ def main(cfg: Config) -> dict:
             adv_tok = adv[:, None] * batch.loss_mask                                   # (B, T)
             mixed = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
 
-        # --- update, then push the new weights to the engine
-        if mixed or not cfg.algo.skip_uniform_batches:
+        # --- update (the engine asleep: on a GPU its memory is the learner's meanwhile)
+        engine.sleep()
+        updated = mixed or not cfg.algo.skip_uniform_batches
+        if updated:
             state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok, old), learner_cfg)
             metrics.update(m)
             if cfg.algo.advantage == "gae":
                 critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,
                                                                        returns), critic_cfg, cfg.algo.value_clip)
                 metrics.update(m)
-            engine.update_weights(state.model.state_dict())
-        metrics["train/skipped_uniform"] = float(not mixed and cfg.algo.skip_uniform_batches)
+        metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
+
+        # --- push the new weights to the engine, then the weight-sync gate: the engine continues a few of this
+        # step's trajectories with the new weights and the learner scores those tokens; they must agree
+        t2 = time.time()
+        engine.wake_up()
+        if updated:
+            engine.update_weights(state.model.state_dict())
+        if cfg.rollout.sync_check_samples:
+            longest = sorted(trajs[::G], key=lambda t: len(t.token_ids), reverse=True)[:cfg.rollout.sync_check_samples]
+            params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.sync_check_tokens,
+                                    seed=step_seed(cfg.seed, step, 4))
+            metrics["sync/logprob_abs_diff"] = check_weight_sync(engine, state.model, [t.token_ids for t in longest],
+                                                                 params, sync_threshold(cfg))
+        metrics["perf/sync_seconds"] = time.time() - t2
         metrics.update({"perf/rollout_seconds": t_rollout, "perf/train_seconds": t_train,
                         "perf/step_seconds": time.time() - t0,
                         "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),
