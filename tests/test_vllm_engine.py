@@ -74,7 +74,8 @@ def weights(model) -> dict:
 
 def learner_logprobs(model, prompt, gen, temperature):
     with torch.no_grad():
-        return model.token_logprobs(torch.tensor([list(prompt) + gen.token_ids]), temperature=temperature)[0, len(prompt):]
+        ids = torch.tensor([list(prompt) + gen.token_ids])                                     # (1, P + N)
+        return model.token_logprobs(ids, temperature=temperature)[0, len(prompt):]             # (N,)
 
 
 def greedy(engine, prompts=PROMPTS, **kw):
