@@ -462,7 +462,6 @@ class OpenAIEngine:
 # -----------------------------------------------------------------------------
 # the weight-sync gate
 
-@torch.no_grad()
 def check_weight_sync(engine, model: Transformer, prompts: list[list[int]], params: SamplingParams,
                       max_diff: float) -> float:
     """Max |engine log-prob - learner log-prob| over the tokens the engine samples for `prompts`; raises past max_diff.
@@ -470,25 +469,31 @@ def check_weight_sync(engine, model: Transformer, prompts: list[list[int]], para
     After a push the engine must run exactly the learner's weights, and comparing weights cannot show it: vLLM
     fuses and repacks them, and a stale prefix cache or a tensor left out leaves every weight right and the
     outputs wrong. So compare what RL uses: the engine samples short continuations with `params` (top_p must be
-    1) and the learner scores the same tokens with model.token_logprobs at the same temperature (T = 1 when
-    greedy). The sampled token's log-prob is also the PPO ratio's denominator, so this is the error the ratio
-    would carry. NaN fails too.
+    1) and the learner scores the same tokens (logprob_gap). The sampled token's log-prob is also the PPO
+    ratio's denominator, so this is the error the ratio would carry. NaN fails too.
     """
     gens = engine.generate(prompts, params)
-    T = params.temperature if params.temperature > 0 else 1.0
-    device = next(model.parameters()).device
-    diffs = [torch.zeros(())]
-    for i, gen in enumerate(gens):
-        if not gen.token_ids:
-            continue
-        prompt = list(prompts[i // params.n])
-        ids = torch.tensor([prompt + list(gen.token_ids)], device=device)                    # (1, P + N)
-        learner = model.token_logprobs(ids, temperature=T)[0, len(prompt):].float().cpu()    # (N,)
-        diffs.append((learner - torch.tensor(gen.logprobs)).abs().max())
-    worst = float(torch.stack(diffs).max())                   # torch's max keeps a NaN, Python's may not
+    worst = logprob_gap(model, [prompts[i // params.n] for i in range(len(gens))], gens, params.temperature)
     if not worst <= max_diff:
         raise RuntimeError(f"weight sync check failed: the engine's log-probs differ from the learner's by up to "
                            f"{worst:.3g} (> {max_diff:g}) on {len(gens)} sampled continuations: the engine is not "
                            f"running the learner's weights (a failed push, a stale prefix cache, a dtype or layout "
                            f"mismatch). rollout.sync_max_logprob_diff sets the threshold")
     return worst
+
+
+@torch.no_grad()
+def logprob_gap(model: Transformer, prompts: list[list[int]], gens: list[Generation], temperature: float) -> float:
+    """Max |gen.logprobs - the model's log-probs of the same tokens| over all generations (prompts[i] is gen i's
+    prompt), scored with model.token_logprobs at `temperature` (T = 1 when greedy, as engines report).
+    Only the model's forward: under torchrun every rank can run it on a sharded learner."""
+    T = temperature if temperature > 0 else 1.0
+    device = next(model.parameters()).device
+    diffs = [torch.zeros(())]
+    for prompt, gen in zip(prompts, gens):
+        if not gen.token_ids:
+            continue
+        ids = torch.tensor([list(prompt) + list(gen.token_ids)], device=device)              # (1, P + N)
+        learner = model.token_logprobs(ids, temperature=T)[0, len(prompt):].float().cpu()    # (N,)
+        diffs.append((learner - torch.tensor(gen.logprobs)).abs().max())
+    return float(torch.stack(diffs).max())                    # torch's max keeps a NaN, Python's may not
