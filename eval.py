@@ -4,6 +4,7 @@
     python eval.py --policy expert --config configs/tool_use.yaml     # the ceiling (or --policy random: the floor)
     python eval.py --checkpoint DIR --config ... rollout.engine=openai rollout.base_url=http://host:8000/v1
                                                           # a model served by `vllm serve DIR` (DIR: its tokenizer)
+    python eval.py --checkpoint DIR --config ... rollout.engine=vllm    # vLLM in this process (pip install vllm)
 
 Runs each env's held-out tasks once through the same agent loop as training (greedy by default,
 `eval_temperature`), and reports per env and overall: accuracy (mean reward), mean turns, tool calls
@@ -124,7 +125,7 @@ def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
     from config import load_config
     from model import load_model
-    from rollout import OpenAIEngine, TorchEngine
+    from rollout import OpenAIEngine, TorchEngine, VLLMEngine
     from tokenizers import Tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +153,11 @@ def main(argv=None):
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
     if cfg.rollout.engine == "openai":   # the server holds the weights; the checkpoint folder gives the tokenizer
         engine = OpenAIEngine(cfg.rollout.base_url, cfg.rollout.served_model or args.checkpoint)
+    elif cfg.rollout.engine == "vllm":   # vLLM in this process, loading the checkpoint folder itself
+        engine = VLLMEngine(args.checkpoint, dtype=cfg.model.dtype, seed=cfg.eval_seed, cache_dir=cfg.model.cache_dir,
+                            max_model_len=cfg.rollout.agent.max_total_tokens + cfg.rollout.max_tokens,
+                            max_num_seqs=cfg.rollout.max_batch_size,
+                            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
     else:
         engine = TorchEngine(load_model(args.checkpoint), pad_id=tokenizer.token_to_id("<|endoftext|>"),
                              max_batch_size=cfg.rollout.max_batch_size)

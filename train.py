@@ -5,7 +5,11 @@
 
 config -> build (model, tokenizer, envs, engine, learner) -> loop:
     sample prompts -> rollouts (n per prompt, multi-turn, tools) -> rewards -> group advantages
-    -> policy update -> push weights to the engine -> eval every k steps -> log -> checkpoint
+    -> policy update -> push weights to the engine -> weight-sync gate -> eval every k steps -> log -> checkpoint
+
+The engine (rollout.engine=torch|vllm) keeps its own copy of the weights, refreshed by a push after every
+update; the gate then checks that it really runs them (rollout.py: sync_probe, logprob_gap, assert_synced)
+and stops the run if not. Under torchrun rank 0 samples the probe with its engine and every rank scores it.
 
 With `model.path: default` (the default) the embedded tiny model is built first (sft.py: tokenizer, tiny
 Qwen2, SFT warm start) and cached. Everything random is derived from `seed` and the step number, so a
@@ -48,7 +52,7 @@ from learner import (Critic, TrainBatch, ValueBatch, apply_lora, barrier, broadc
                      make_learner, merged_state_dict, save_checkpoint, save_merged, shard_model, train_step)
 from model import load_model
 from plot import save_curves
-from rollout import TorchEngine
+from rollout import TorchEngine, VLLMEngine, assert_synced, logprob_gap, sync_probe
 from sft import build_default_model
 
 
@@ -98,6 +102,29 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
     return [t for g in kept[:want] for t in g], rounds
 
 
+def build_engine(cfg: Config, model_dir: str, engine_model, weights: dict | None, pad_id: int):
+    """The rollout engine (rank 0's), holding its own copy of the learner's weights: `engine_model` (a copy of
+    the base model, torch engine) or the folder vLLM loads, then `weights` when the learner is not the base
+    (a resumed run; LoRA's merged weights)."""
+    if cfg.rollout.engine == "vllm":
+        r = cfg.rollout
+        engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, cache_dir=cfg.model.cache_dir,
+                            max_model_len=r.agent.max_total_tokens + max(r.max_tokens, r.sync_check_tokens),
+                            max_num_seqs=r.max_batch_size, gpu_memory_utilization=r.gpu_memory_utilization)
+    else:
+        engine = TorchEngine(engine_model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+    if weights is not None:
+        engine.update_weights(weights)
+    return engine
+
+
+def sync_threshold(cfg: Config) -> float:
+    """rollout.sync_max_logprob_diff, or its default for the dtype (see config.py)."""
+    if cfg.rollout.sync_max_logprob_diff is not None:
+        return cfg.rollout.sync_max_logprob_diff
+    return 1e-3 if cfg.model.dtype == "float32" else 0.5
+
+
 class Logger:
     """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step.
     On ranks other than 0 (`enabled=False`) it writes nothing."""
@@ -131,7 +158,7 @@ def main(cfg: Config) -> dict:
     # -------------------------------------------------------------------------
     # setup
     t_start = time.time()
-    if cfg.rollout.engine != "torch":
+    if cfg.rollout.engine == "openai":
         raise ValueError(f"rollout.engine={cfg.rollout.engine!r} cannot train: its weights cannot be pushed "
                          "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
     if cfg.threads:
@@ -161,7 +188,7 @@ def main(cfg: Config) -> dict:
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
         critic_state = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
     # --- LoRA and sharding (learner.py): the engine, the reference and the critic get the plain base model
-    engine_model = copy.deepcopy(model).eval() if is_main() else None
+    engine_model = copy.deepcopy(model).eval() if is_main() and cfg.rollout.engine == "torch" else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
@@ -173,15 +200,13 @@ def main(cfg: Config) -> dict:
         state = load_checkpoint(state, cfg.resume)
         if critic_state is not None:
             critic_state = load_checkpoint(critic_state, os.path.join(cfg.resume, "critic"))
-    # The engine keeps its own copy of the weights, refreshed after every update through update_weights:
-    # the same push a vLLM or remote engine needs, so the loop does not depend on sharing memory.
-    # Only rank 0 has one (and the envs): it generates every rollout.
+    # The engine keeps its own copy of the weights, refreshed after every update through update_weights,
+    # whatever the engine: the loop never depends on sharing memory with it. Only rank 0 has one (and the
+    # envs): it generates every rollout.
     weights = merged_state_dict(state.model) if cfg.resume or cfg.learner.lora_rank else None
     engine = envs = eval_tasks = None
     if is_main():
-        engine = TorchEngine(engine_model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
-        if weights is not None:                       # resumed: the checkpoint's weights, not the base's
-            engine.update_weights(weights)
+        engine = build_engine(cfg, model_dir, engine_model, weights, pad_id)
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     agent_cfg = cfg.rollout.agent
@@ -267,19 +292,39 @@ def main(cfg: Config) -> dict:
             adv_tok = adv[:, None] * batch.loss_mask                                   # (B, T)
             mixed = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
 
-        # --- update, then push the new weights to the engine
-        if mixed or not cfg.algo.skip_uniform_batches:
+        # --- update (the engine asleep: on a GPU its memory is the learner's meanwhile)
+        if is_main():
+            engine.sleep()
+        updated = mixed or not cfg.algo.skip_uniform_batches
+        if updated:
             state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok, old), learner_cfg)
             metrics.update(m)
             if cfg.algo.advantage == "gae":
                 critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,
                                                                        returns), critic_cfg, cfg.algo.value_clip)
                 metrics.update(m)
-            weights = merged_state_dict(state.model)  # gathered onto rank 0 (LoRA merged in)
-            if is_main():
-                engine.update_weights(weights)
-        metrics["train/skipped_uniform"] = float(not mixed and cfg.algo.skip_uniform_batches)
+            weights = merged_state_dict(state.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
+        metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
+
+        # --- push the new weights to the engine, then the weight-sync gate: the engine continues a few of this
+        # step's trajectories with the new weights and the learner scores those tokens; they must agree
+        t2 = time.time()
+        if is_main():
+            engine.wake_up()
+            if updated:
+                engine.update_weights(weights)
+        if cfg.rollout.sync_check_samples:
+            probe = None
+            if is_main():                              # rank 0 samples with the engine ...
+                longest = sorted(trajs[::G], key=lambda t: len(t.token_ids), reverse=True)
+                params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.sync_check_tokens,
+                                        seed=step_seed(cfg.seed, step, 4))
+                probe = sync_probe(engine, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
+            prompts, gens, temperature = broadcast_object(probe)
+            gap = logprob_gap(state.model, prompts, gens, temperature)  # ... every rank scores (a sharded forward)
+            metrics["sync/logprob_abs_diff"] = assert_synced(gap, sync_threshold(cfg), len(gens))
+        metrics["perf/sync_seconds"] = time.time() - t2
         metrics.update({"perf/rollout_seconds": t_rollout, "perf/train_seconds": t_train,
                         "perf/step_seconds": time.time() - t0,
                         "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),

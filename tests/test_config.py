@@ -53,6 +53,12 @@ def test_choices_are_checked_at_load():
         load_config(None, ["algo.name=grpoo"])
     with pytest.raises(ValueError, match="n_samples"):
         load_config(None, ["rollout.agent.n_samples=1"])
+    with pytest.raises(ValueError, match="did you mean 'vllm'"):
+        load_config(None, ["rollout.engine=vlm"])
+    with pytest.raises(ValueError, match="top_p=1"):                 # vLLM's log-probs would be truncated ones
+        load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"])
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.sync_max_logprob_diff=0.2"])
+    assert cfg.rollout.sync_max_logprob_diff == 0.2 and Config().rollout.sync_max_logprob_diff is None
 
 
 def test_algo_presets_set_defaults_that_explicit_keys_override():

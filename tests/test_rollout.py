@@ -6,7 +6,7 @@ import torch
 
 from agent import SamplingParams
 from model import ModelConfig, init_model, load_model, save_model
-from rollout import TorchEngine, sample_tokens
+from rollout import TorchEngine, check_weight_sync, sample_tokens, weight_buckets
 
 PAD, VOCAB = 0, 64
 PROMPTS = [[5, 9, 3, 7, 11, 2, 8], [4], [13, 6, 6, 1]]  # different lengths, so the batch is left-padded
@@ -161,3 +161,35 @@ def test_generate_restores_training_mode():
     model = tiny_model().train()
     TorchEngine(model, PAD).generate(PROMPTS, SamplingParams(max_tokens=2, seed=0))
     assert model.training
+
+
+def test_weight_buckets_split_by_size_keep_order_and_cast_lazily():
+    sd = {f"w{i}": torch.full((n,), float(i)) for i, n in enumerate([10, 30, 5, 100, 1, 1])}   # float32: 4 bytes each
+    buckets = weight_buckets(sd, bucket_bytes=160, dtype=torch.bfloat16)   # 80 bf16 values a bucket
+    first = next(buckets)
+    assert [k for k, _ in first] == ["w0", "w1", "w2"] and all(t.dtype == torch.bfloat16 for _, t in first)
+    rest = list(buckets)
+    assert [[k for k, _ in b] for b in rest] == [["w3"], ["w4", "w5"]]    # a tensor over the size goes alone
+    for name, t in first + [x for b in rest for x in b]:
+        assert torch.equal(t, sd[name].to(torch.bfloat16))
+    same = [x for b in weight_buckets(sd, bucket_bytes=1 << 20) for x in b]
+    assert len(same) == len(sd) and all(t.dtype == torch.float32 and torch.equal(t, sd[k]) for k, t in same)
+
+
+def test_sync_gate_on_the_torch_engine():
+    """check_weight_sync passes when the engine holds the learner's weights, and fails loudly otherwise."""
+    learner, other = tiny_model(0), tiny_model(1)
+    engine = TorchEngine(tiny_model(0), PAD)
+    params = SamplingParams(temperature=0.7, max_tokens=8, seed=0)
+    assert check_weight_sync(engine, learner, PROMPTS, params, max_diff=1e-3) < 1e-5
+    assert check_weight_sync(engine, learner, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), 1e-3) < 1e-5
+    with torch.no_grad():                       # the learner takes an update that is not pushed
+        for p in learner.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(RuntimeError, match="weight sync check failed"):
+        check_weight_sync(engine, learner, PROMPTS, params, max_diff=1e-3)
+    engine.update_weights(learner.state_dict())
+    assert check_weight_sync(engine, learner, PROMPTS, params, max_diff=1e-3) < 1e-5
+    engine.update_weights({k: torch.full_like(v, float("nan")) for k, v in other.state_dict().items()})
+    with pytest.raises(RuntimeError, match="by up to nan"):      # greedy: NaN logits still give tokens
+        check_weight_sync(engine, learner, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), max_diff=1e-3)

@@ -37,7 +37,8 @@ def test_main_smoke(tiny):
     for l in lines[1:]:
         assert {"rollout/reward", "train/pg_loss", "train/grad_norm", "perf/step_seconds"} <= set(l)
         assert l["rollout/response_tokens"] > 0                      # the policy did get to speak
-        assert all(k == "step" or k.split("/")[0] in {"train", "rollout", "eval", "perf"} for k in l)
+        assert all(k == "step" or k.split("/")[0] in {"train", "rollout", "eval", "perf", "sync"} for k in l)
+        assert l["sync/logprob_abs_diff"] < 1e-3 and l["perf/sync_seconds"] > 0   # the weight-sync gate ran
     png = open(os.path.join(run, "curves.png"), "rb").read()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
