@@ -29,6 +29,8 @@ Papers:
     DAPO                    Yu et al. 2025, arXiv:2503.14476
     GSPO                    Zheng et al. 2025, arXiv:2507.18071
     SAPO                    Gao et al. (Qwen) 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347
+    truncated IS (TIS)      Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+                            Training" (blog); Espeholt et al. 2018 (IMPALA, V-trace), arXiv:1802.01561
     k1 / k2 / k3 KL         J. Schulman, "Approximating KL Divergence" (blog, 2020)
 """
 from dataclasses import dataclass
@@ -212,7 +214,7 @@ POLICY_LOSSES = {"ppo": _ppo, "dual_clip": _dual_clip, "dapo": _dapo,
                  "gspo": _gspo, "gspo_token": _gspo_token, "sapo": _sapo}
 
 
-def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConfig):
+def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConfig, weights=None):
     """Policy-gradient loss of `kind`, aggregated by aggregate(., mask, cfg.agg_mode, cfg.agg_norm).
 
     With r_t = exp(clamp(logp_t - old_logp_t)) and A_t = advantages (all (B, T)):
@@ -224,6 +226,8 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
         sapo        -f(r) A,  f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg
                                                                                           arXiv:2511.20347
     GRPO is "ppo" with group advantages; the GSPO paper's averaging is agg_mode="seq-mean-token-mean".
+    `weights` (B, T), optional and constant: each token's loss is multiplied by it before aggregation (the
+    truncated importance weights of truncated_is_weights, when the samples came from another policy).
     Returns (loss: 0-dim tensor with grad, metrics: dict of detached 0-dim tensors):
         clip_frac_low / clip_frac_high  share of tokens whose gradient a clip zeroed (below / above the band)
         approx_kl                       k3 estimate of KL(pi_old || pi): (r - 1) - log r
@@ -236,6 +240,8 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
     log_ratio = torch.where(valid, (logp - old_logp).clamp(-c, c), 0.0)        # (B, T)
     adv = torch.where(valid, advantages, 0.0)                                   # (B, T)
     ratio, token_loss, clipped_low, clipped_high = POLICY_LOSSES[kind](log_ratio, adv, valid, cfg)
+    if weights is not None:
+        token_loss = token_loss * weights.detach()
     token_loss = torch.where(valid, token_loss, 0.0)                            # (B, T)
     loss = aggregate(token_loss, valid, cfg.agg_mode, cfg.agg_norm)
 
@@ -252,6 +258,34 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
             "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 0.0),
         }
     return loss, metrics
+
+
+def truncated_is_weights(old_logp, behaviour_logp, mask, cap: float):
+    """Truncated importance weights w_t = min(pi_old(y_t) / mu(y_t), cap) for samples drawn from mu, not pi_old.
+
+    PPO's ratio pi / pi_old assumes the samples came from pi_old, the policy the learner recomputes the old
+    log-probs with. They did not when the engine runs other weights: one update behind in one-step
+    off-policy (async) training, or in another precision (bf16 vLLM vs the fp32 learner). Weighting each
+    token's loss by pi_old / mu makes the gradient that of samples from pi_old again; truncating the weight
+    at `cap` bounds the variance (IMPALA's rho-bar; Yao et al. 2025 for the engine/learner gap). All (B, T);
+    `behaviour_logp` = the engine's log-probs. Returns (weights, metrics) with the weights 0 off the mask:
+        tis_weight_mean     mean w over valid tokens (1 when mu = pi_old)
+        tis_clip_frac       share of valid tokens whose weight the cap truncated
+        behaviour_kl        k3 estimate of KL(mu || pi_old), how far off-policy the batch is
+    """
+    valid = mask.bool()
+    log_w = torch.where(valid, old_logp - behaviour_logp, 0.0)                  # (B, T)
+    # --- algorithm ---
+    w = torch.exp(log_w.clamp(max=20.0)).clamp(max=cap)
+    # --- end algorithm ---
+    w = torch.where(valid, w, 0.0).detach()
+    with torch.no_grad():
+        metrics = {
+            "tis_weight_mean": _metric_mean(w, valid, per_seq=False),
+            "tis_clip_frac": _metric_mean((log_w > torch.log(torch.tensor(cap))).to(w.dtype), valid, per_seq=False),
+            "behaviour_kl": _metric_mean(torch.expm1(log_w.clamp(max=20.0)) - log_w, valid, per_seq=False),
+        }
+    return w, metrics
 
 
 def _metric_mean(x, valid, per_seq: bool):

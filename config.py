@@ -61,6 +61,9 @@ class RolloutConfig:
                                      # rounding alone reaches ~0.15 on CPU, so only gross mismatches are caught there
     judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
                                      # envs that have a judge (tau_lite); held-out evals never use it
+    async_rollouts: bool = False     # one-step off-policy: the engine generates step k+1's batch (with the weights
+                                     # before update k) while the learner trains on batch k; needs learner.tis_cap
+                                     # > 0 to correct for it (rollout/staleness logs how old each batch's policy is)
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
@@ -255,6 +258,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError("group advantages need rollout.agent.n_samples >= 2")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
+    if cfg.rollout.async_rollouts and cfg.learner.tis_cap <= 0:
+        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.tis_cap "
+                         "(e.g. 2.0) so truncated importance sampling corrects for them")
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")

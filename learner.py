@@ -64,6 +64,9 @@ class LearnerConfig:
     kl_coef: float = 0.0                  # weight of the KL(policy || reference) term in the loss (0: off)
     kl_kind: str = "k3"                   # estimator for that term: k1|k2|k3
     entropy_coef: float = 0.0             # weight of an entropy bonus (0: entropy is only logged)
+    tis_cap: float = 0.0                  # > 0: truncated importance sampling against the engine's log-probs
+                                          # (algos.truncated_is_weights), each token's loss weighted by
+                                          # min(pi_old / pi_engine, tis_cap); needed by rollout.async_rollouts
     mixed_precision: bool = True          # under torchrun on GPUs: bf16 params/compute, fp32 gradient reduction
                                           # (FSDP2 MixedPrecisionPolicy); ignored on CPU and in one process
     lora_rank: int = 0                    # LoRA rank r (0: off, every parameter trains)
@@ -86,7 +89,10 @@ class TrainBatch:
     input_ids: torch.Tensor               # (B, T) long, whole trajectories, right-padded
     loss_mask: torch.Tensor               # (B, T) float, 1 on tokens the policy sampled
     advantages: torch.Tensor              # (B, T) float, advantage of each token (0 where mask is 0)
-    old_logprobs: torch.Tensor | None = None  # (B, T) behaviour log-probs; None: recompute before the update
+    old_logprobs: torch.Tensor | None = None  # (B, T) pi_old, the ratio's denominator; None: recomputed by the
+                                          # learner before the update (the usual case)
+    engine_logprobs: torch.Tensor | None = None  # (B, T) the log-probs of the engine that sampled the tokens (the
+                                          # behaviour policy); used only when cfg.tis_cap > 0
 
 
 def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_model: Transformer | None = None) -> LearnerState:
@@ -351,6 +357,12 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     if old is None:
         old = compute_logprobs(model, batch.input_ids, cfg.micro_batch_size, cfg.temperature,
                                cfg.logprob_chunk_size, mask)
+    tis, tis_metrics = None, {}
+    if cfg.tis_cap > 0:
+        if batch.engine_logprobs is None:
+            raise ValueError("learner.tis_cap > 0 needs the engine's log-probs (TrainBatch.engine_logprobs)")
+        tis, tis_metrics = algos.truncated_is_weights(old, batch.engine_logprobs.to(old.device), mask.to(old.device),
+                                                      cfg.tis_cap)                # (B, T)
     ref = None
     if cfg.kl_coef > 0:
         if state.ref_model is None:
@@ -372,7 +384,8 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
                 logp, ent = model.token_logprobs(ids, temperature=cfg.temperature,
                                                  chunk_size=cfg.logprob_chunk_size, return_entropy=True)
                 loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old[r, :L].to(dev),
-                                                  batch.advantages[r, :L].to(dev), m, cfg.loss)
+                                                  batch.advantages[r, :L].to(dev), m, cfg.loss,
+                                                  None if tis is None else tis[r, :L].to(dev))
                 entropy = algos.aggregate(ent, m, cfg.loss.agg_mode, cfg.loss.agg_norm)
                 metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
                 if cfg.entropy_coef:
@@ -391,6 +404,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps
+    metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})  # of the whole batch
     metrics["train/updates"] = n_updates
     return state, metrics
 

@@ -32,9 +32,11 @@ import argparse
 import copy
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -54,6 +56,9 @@ from model import load_model
 from plot import save_curves
 from rollout import TorchEngine, VLLMEngine, assert_synced, logprob_gap, sync_probe
 from sft import build_default_model
+
+
+PENDING = "pending_rollouts.pkl"                   # async mode: the next step's rollouts, saved with a checkpoint
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -123,6 +128,13 @@ def sync_threshold(cfg: Config) -> float:
     if cfg.rollout.sync_max_logprob_diff is not None:
         return cfg.rollout.sync_max_logprob_diff
     return 1e-3 if cfg.model.dtype == "float32" else 0.5
+
+
+def timed(fn, *args):
+    """fn(*args) -> (*its result, seconds it took): collect_rollouts' time when it runs in a background thread."""
+    t = time.time()
+    out = fn(*args)
+    return (*out, time.time() - t)
 
 
 class Logger:
@@ -220,7 +232,7 @@ def main(cfg: Config) -> dict:
         dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
         return {**m, "perf/eval_seconds": time.time() - t0}
 
-    def checkpoint(name: str):
+    def checkpoint(name: str, pending=None):
         """Every rank calls it (weights are gathered), rank 0 writes. A LoRA run writes its adapter (PEFT
         files) and, in `final/merged/`, the merged model that eval.py loads."""
         path = os.path.join(run_dir, name)
@@ -234,10 +246,20 @@ def main(cfg: Config) -> dict:
         for folder in folders if is_main() else []:
             for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
                 shutil.copy(os.path.join(model_dir, f), folder)
+        if pending is not None and is_main():      # async: the next step's batch, already generated from the
+            with open(os.path.join(path, PENDING), "wb") as f:  # previous weights, which no checkpoint holds
+                pickle.dump(pending, f)
 
     logger = Logger(run_dir, cfg, resume=bool(cfg.resume), enabled=is_main())
     history = []                                   # (step, metrics) of this process, for the plot
     start = state.step if cfg.resume else 0
+    # async (one-step off-policy): `pending` is the next step's rollouts, generated in a background thread
+    # while the learner trains; `version` of a batch = the RL steps its weights had taken (staleness: see below)
+    pool = ThreadPoolExecutor(max_workers=1) if cfg.rollout.async_rollouts and is_main() else None
+    pending = None                                 # (trajs, rounds, seconds, version) ready for the next step
+    if cfg.resume and pool is not None and os.path.exists(os.path.join(cfg.resume, PENDING)):
+        with open(os.path.join(cfg.resume, PENDING), "rb") as f:
+            pending = pickle.load(f)
     if start == 0 and is_main():
         m = run_eval(0)
         logger.log(0, m)
@@ -252,11 +274,19 @@ def main(cfg: Config) -> dict:
         t0 = time.time()
         # --- rollouts: n samples per prompt, multi-turn with tools, token-exact trajectories (rank 0), then
         #     the batch goes to every rank
-        batch, metrics = None, {}
+        batch, metrics, future = None, {}, None
         if is_main():
-            trajs, rounds = collect_rollouts(cfg, engine, envs, tokenizer, step)
+            if pending is None:
+                trajs, rounds = collect_rollouts(cfg, engine, envs, tokenizer, step)
+                version, t_gen = step - 1, time.time() - t0
+            else:                                  # async: generated in the background during the last update
+                (trajs, rounds, t_gen, version), pending = pending, None
+            if pool is not None and step < cfg.steps:   # the next batch, from the current (pre-update) weights
+                future = pool.submit(timed, collect_rollouts, cfg, engine, envs, tokenizer, step + 1)
             batch = to_batch(trajs, pad_id)
-            metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds}
+            # staleness: updates between the weights that sampled the batch and those it trains (0 on-policy;
+            # 1 in async mode, where every sample of a batch comes from the same weights)
+            metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds, "rollout/staleness": step - 1 - version}
         batch = broadcast_object(batch)
         t_rollout = time.time() - t0
 
@@ -292,12 +322,14 @@ def main(cfg: Config) -> dict:
             adv_tok = adv[:, None] * batch.loss_mask                                   # (B, T)
             mixed = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
 
-        # --- update (the engine asleep: on a GPU its memory is the learner's meanwhile)
-        if is_main():
+        # --- update (the engine asleep: on a GPU its memory is the learner's meanwhile; in async mode it is
+        #     generating the next batch instead)
+        if is_main() and pool is None:
             engine.sleep()
         updated = mixed or not cfg.algo.skip_uniform_batches
         if updated:
-            state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok, old), learner_cfg)
+            state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok, old, batch.logprobs),
+                                  learner_cfg)
             metrics.update(m)
             if cfg.algo.advantage == "gae":
                 critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,
@@ -306,6 +338,10 @@ def main(cfg: Config) -> dict:
             weights = merged_state_dict(state.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
+        if future is not None:                     # the engine must finish the next batch before the push
+            t_wait = time.time()
+            pending = (*future.result(), step - 1)   # (trajs, rounds, seconds) + the weights' version
+            metrics["perf/rollout_wait_seconds"] = time.time() - t_wait  # rollout time the update did not hide
 
         # --- push the new weights to the engine, then the weight-sync gate: the engine continues a few of this
         # step's trajectories with the new weights and the learner scores those tokens; they must agree
@@ -325,6 +361,8 @@ def main(cfg: Config) -> dict:
             gap = logprob_gap(state.model, prompts, gens, temperature)  # ... every rank scores (a sharded forward)
             metrics["sync/logprob_abs_diff"] = assert_synced(gap, sync_threshold(cfg), len(gens))
         metrics["perf/sync_seconds"] = time.time() - t2
+        if is_main():
+            t_rollout = t_gen                      # the engine's time for this batch (in the background if async)
         metrics.update({"perf/rollout_seconds": t_rollout, "perf/train_seconds": t_train,
                         "perf/step_seconds": time.time() - t0,
                         "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),
@@ -340,11 +378,13 @@ def main(cfg: Config) -> dict:
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            checkpoint(f"checkpoints/step_{step}")
+            checkpoint(f"checkpoints/step_{step}", pending)
 
     # -------------------------------------------------------------------------
     # the end: final checkpoint, curves, summary
     checkpoint("final")
+    if pool is not None:
+        pool.shutdown()
     logger.finish()
     if not is_main():
         cleanup_distributed()

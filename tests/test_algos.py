@@ -469,3 +469,36 @@ def test_overlong_penalty():
     assert overlong_penalty(lengths, 100, 20).is_floating_point()
     with pytest.raises(ValueError):
         overlong_penalty(lengths, 100, 0)
+
+
+# ----------------------------------------------------------------------------- truncated importance sampling
+
+def test_truncated_is_weights_hand_computed():
+    old = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9), NAN]], dtype=f64)
+    mu = torch.tensor([[math.log(0.5), math.log(0.4), math.log(0.1), INF]], dtype=f64)   # the engine's
+    mask = torch.tensor([[1.0, 1, 1, 0]])
+    w, m = algos.truncated_is_weights(old, mu, mask, cap=2.0)
+    close(w, [[1.0, 0.5, 2.0, 0.0]])                     # 0.9/0.1 = 9 truncated to the cap; garbage masked out
+    close(m["tis_weight_mean"], 3.5 / 3)
+    close(m["tis_clip_frac"], 1 / 3)
+    r = torch.tensor([1.0, 0.5, 9.0], dtype=f64)          # k3 of KL(mu || pi_old): mean of (r - 1) - log r
+    close(m["behaviour_kl"], ((r - 1) - r.log()).mean())
+    assert not w.requires_grad
+
+
+def test_policy_loss_weights_scale_each_tokens_loss():
+    g = torch.Generator().manual_seed(1)
+    logp = torch.randn(3, 5, generator=g, dtype=f64, requires_grad=True)
+    old, adv = logp.detach() + 0.1 * torch.randn(3, 5, generator=g, dtype=f64), torch.randn(3, 5, generator=g, dtype=f64)
+    mask = torch.ones(3, 5)
+    cfg = PolicyLossConfig(agg_mode="token-mean")
+    plain, _ = policy_loss("ppo", logp, old, adv, mask, cfg)
+    ones, _ = policy_loss("ppo", logp, old, adv, mask, cfg, weights=torch.ones(3, 5, dtype=f64))
+    close(ones, plain)
+    w = torch.zeros(3, 5, dtype=f64)
+    w[1, 2] = 3.0                                          # only one token counts, three times over
+    weighted, _ = policy_loss("ppo", logp, old, adv, mask, cfg, weights=w)
+    per_token = torch.autograd.grad(plain * 15, logp)[0]  # each token's own loss gradient (token-mean over 15)
+    grad = torch.autograd.grad(weighted * 15, logp)[0]
+    close(grad[1, 2], 3 * per_token[1, 2])
+    assert grad.abs().sum() == grad[1, 2].abs()

@@ -1,5 +1,6 @@
 """Learner: micro-batch split invariance, SFT learns, non-finite guard, exact checkpoint resume."""
 import copy
+import math
 
 import pytest
 import torch
@@ -82,3 +83,27 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert resumed.step == state.step
     for (k, a), (_, b) in zip(state.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_truncated_importance_sampling_in_the_update():
+    """tis_cap > 0 weights each token by min(pi_old / pi_engine, cap): with the engine's log-probs equal to
+    the learner's the update is unchanged; off-policy log-probs change it; missing ones are a clear error."""
+    model, batch = init_model(CFG, seed=0), make_batch()
+    plain_cfg = LearnerConfig(micro_batch_size=4, grad_clip=0.0)          # no clipping: gradients compare raw
+    tis_cfg = LearnerConfig(micro_batch_size=4, grad_clip=0.0, tis_cap=2.0)
+    from learner import compute_logprobs
+    old = compute_logprobs(model, batch.input_ids, 4, mask=batch.loss_mask)
+    grads = {}
+    for name, cfg, engine in [("plain", plain_cfg, None), ("same", tis_cfg, old),
+                              ("off", tis_cfg, old - 0.5 * batch.loss_mask)]:   # the engine found tokens rarer
+        state = make_learner(copy.deepcopy(model), cfg, seed=0)
+        b = TrainBatch(batch.input_ids, batch.loss_mask, batch.advantages, engine_logprobs=engine)
+        state, m = train_step(state, b, cfg)
+        grads[name] = first_step_grad(state)
+        if cfg.tis_cap:
+            assert {"train/tis_weight_mean", "train/tis_clip_frac", "train/behaviour_kl"} <= set(m)
+    torch.testing.assert_close(grads["same"], grads["plain"], rtol=1e-5, atol=1e-8)
+    # pi_old / mu = e^0.5 = 1.65 < cap on every token: the gradient is exactly scaled by it
+    torch.testing.assert_close(grads["off"], grads["plain"] * math.exp(0.5), rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="engine_logprobs"):
+        train_step(make_learner(copy.deepcopy(model), tis_cfg, seed=0), batch, tis_cfg)
