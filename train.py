@@ -11,6 +11,9 @@ The engine (rollout.engine=torch|vllm) keeps its own copy of the weights, refres
 update; the gate then checks that it really runs them (rollout.py: sync_probe, logprob_gap, assert_synced)
 and stops the run if not. Under torchrun rank 0 samples the probe with its engine and every rank scores it.
 
+With rollout.async_rollouts the engine generates the next step's batch in a background thread while the
+learner trains on this one (one-step off-policy, corrected by truncated importance sampling: learner.tis_cap).
+
 With `model.path: default` (the default) the embedded tiny model is built first (sft.py: tokenizer, tiny
 Qwen2, SFT warm start) and cached. Everything random is derived from `seed` and the step number, so a
 resumed run repeats exactly what an uninterrupted one would have done.
