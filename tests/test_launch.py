@@ -1,7 +1,8 @@
-"""The launch paths on CPU: a run resumed under torchrun repeats the uninterrupted one exactly.
+"""The launch paths on CPU: a run resumed under torchrun repeats the uninterrupted one exactly, and the learner's
+ranks as Ray actors (`ray.learner_workers=2`) train exactly as torchrun's 2 processes do.
 
 The reference is one 4-step run under `torchrun --nproc_per_node 2` (checkpoints every 2 steps), made once per
-module; the other launch paths must reproduce its records."""
+module; the other launch paths must reproduce its records. One local Ray (2 CPUs, no dashboard) serves the module."""
 import json
 import os
 import sys
@@ -39,6 +40,52 @@ def reference(tiny):
     torchrun(["train.py", *cli_args(cfg), *EXTRA, "steps=4", "checkpoint_every=2", "run_name=launch_full"],
              timeout=300)
     return os.path.join(cfg.out_dir, "launch_full")
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")          # no token file in ~/.ray
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()
+
+
+def same_records(run_dir: str, reference: str, steps: list[int]):
+    """Each step's record of run_dir holds the reference's (equal values); only held-out evals may be added
+    (a shorter run evaluates at its own last step)."""
+    ours, ref = records(run_dir), records(reference)
+    assert sorted(ours) == steps
+    for step in steps:
+        assert {k: ours[step].get(k) for k in ref[step]} == ref[step], step
+        assert all(k.startswith("eval/") for k in set(ours[step]) - set(ref[step])), step
+
+
+def test_learner_workers_on_ray_match_torchrun(tiny, reference, local_ray):
+    """ray.learner_workers=2: two actors run main() as ranks 0 and 1 (gloo), and log what torchrun's 2 ranks
+    logged, step by step: rollouts, losses, gradient norms, the weight-sync gate."""
+    from train import launch_on_ray
+
+    summary = launch_on_ray(tiny(*EXTRA, "steps=2", "run_name=launch_ray", "ray.learner_workers=2"))
+    assert summary["run_dir"].endswith("launch_ray") and summary["final_accuracy"] is not None  # rank 0's summary
+    same_records(summary["run_dir"], reference, [0, 1, 2])
+    assert records(summary["run_dir"])[1]["train/grad_norm"] > 0
+
+
+def test_a_failing_learner_actor_is_named(tiny, local_ray):
+    """Every rank raises at once (a config main() refuses): the driver stops with the rank and the cause."""
+    from train import launch_on_ray
+
+    with pytest.raises(RuntimeError, match=r"learner rank \d of 2 failed:(.|\n)*cannot train"):
+        launch_on_ray(tiny("rollout.engine=openai", "ray.learner_workers=2"))
+
+
+def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
+    from train import launch_on_ray
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="choose one launcher"):
+        launch_on_ray(tiny("ray.learner_workers=2"))
 
 
 def test_resume_under_torchrun_is_exact(tiny, reference):
