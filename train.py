@@ -415,13 +415,18 @@ def launch_on_ray(cfg: Config) -> dict:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    address = rc.address or os.environ.get("RAY_ADDRESS", "")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():                     # ray.init would retry a dead address for minutes
+        import socket
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ConnectionError(f"no Ray cluster at {address!r} ({e}): start one there with `ray start --head`, "
+                                  "or leave ray.address and $RAY_ADDRESS empty to start a local Ray") from None
     started = not ray.is_initialized()
     if started:
-        try:
-            ray.init(address=rc.address or None)
-        except ConnectionError as e:
-            raise ConnectionError(f"no Ray cluster at ray.address={rc.address or os.environ.get('RAY_ADDRESS')!r} "
-                                  f"(start one with `ray start --head`, or leave ray.address empty): {e}") from e
+        ray.init(address=rc.address or None)
     bundle = {"CPU": rc.cpus_per_learner, **({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})}
     pg = placement_group([bundle] * n, strategy=rc.placement_strategy)
     ranks = []

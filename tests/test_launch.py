@@ -88,6 +88,18 @@ def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
         launch_on_ray(tiny("ray.learner_workers=2"))
 
 
+def test_no_cluster_at_the_address_is_a_clear_error(tiny):
+    import socket
+
+    from train import launch_on_ray
+
+    with socket.socket() as s:                                     # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"no Ray cluster at '127.0.0.1:{port}'"):
+        launch_on_ray(tiny(f"ray.address=127.0.0.1:{port}", "ray.learner_workers=2"))
+
+
 def test_resume_under_torchrun_is_exact(tiny, reference):
     """Resumed from checkpoints/step_2 under torchrun, steps 3-4 log what the uninterrupted run logged, and the
     final weights are bit-identical: the checkpoint holds everything a rank needs (weights, optimizer, RNG)."""
