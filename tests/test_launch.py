@@ -1,21 +1,29 @@
-"""The launch paths on CPU: a run resumed under torchrun repeats the uninterrupted one exactly, and the learner's
-ranks as Ray actors (`ray.learner_workers=2`) train exactly as torchrun's 2 processes do.
+"""The launch paths on CPU: a run resumed under torchrun repeats the uninterrupted one exactly, and
+`ray job submit -- python train.py ... ray.learner_workers=2` (the learner's ranks as Ray actors) trains exactly
+as `torchrun --nproc_per_node 2` does.
 
-The reference is one 4-step run under `torchrun --nproc_per_node 2` (checkpoints every 2 steps), made once per
-module; the other launch paths must reproduce its records. One local Ray (2 CPUs, no dashboard) serves the module."""
+The reference is one 4-step run under torchrun (checkpoints every 2 steps), made once per module; the other
+launch paths must reproduce its records. One real Ray cluster (`ray start --head`, 2 CPUs, its own temp dir and
+ports) serves the module; it is stopped by killing its process group (`ray stop` would stop every Ray on the
+machine, other people's included)."""
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import torchrun  # noqa: E402
+from test_distributed import ROOT, torchrun  # noqa: E402
 from test_train import TINY, tiny  # noqa: E402,F401  (the session's tiny default model, built once)
 
 EXTRA = ["eval_every=100", "threads=1", "learner.micro_batch_size=3", "learner.entropy_coef=0.01"]
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")                 # the CLI next to this Python
 
 
 def records(run_dir: str) -> dict[int, dict]:
@@ -28,6 +36,16 @@ def cli_args(cfg) -> list[str]:
     """The command-line arguments that make train.py build `cfg`'s tiny model in the same cache and folder."""
     return ["--config", "configs/toy_math.yaml", *TINY, f"model.cache_dir={cfg.model.cache_dir}",
             f"out_dir={cfg.out_dir}"]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +61,40 @@ def reference(tiny):
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")          # no token file in ~/.ray
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield ray
-    ray.shutdown()
+def ray_head(tmp_path_factory):
+    """`ray start --head` in the repo root (a job's entrypoint runs where the head started) with this checkout on
+    PYTHONPATH. -> (GCS address for ray.address, dashboard URL for `ray job submit`, environment for the CLI)."""
+    pytest.importorskip("ray.dashboard")
+    gcs, dash, client = free_ports(3)
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    # its own session: every daemon it starts (GCS, raylet, dashboard, workers) joins this process group
+    proc = subprocess.Popen([RAY, "start", "--head", "--num-cpus", "2", "--temp-dir", str(tmp_path_factory.mktemp("ray")),
+                             "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+                             "--ray-client-server-port", str(client), "--disable-usage-stats"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out[-3000:]
+        yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", env
+    finally:
+        stop_group(proc.pid)
+
+
+def stop_group(pgid: int, grace: float = 10.0):
+    """SIGTERM to a process group, then SIGKILL to whatever is left after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            try:
+                os.killpg(pgid, 0)                                  # anyone left?
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def same_records(run_dir: str, reference: str, steps: list[int]):
@@ -61,23 +107,39 @@ def same_records(run_dir: str, reference: str, steps: list[int]):
         assert all(k.startswith("eval/") for k in set(ours[step]) - set(ref[step])), step
 
 
-def test_learner_workers_on_ray_match_torchrun(tiny, reference, local_ray):
-    """ray.learner_workers=2: two actors run main() as ranks 0 and 1 (gloo), and log what torchrun's 2 ranks
-    logged, step by step: rollouts, losses, gradient norms, the weight-sync gate."""
+def test_ray_job_submit_with_learner_actors_matches_torchrun(tiny, reference, ray_head):
+    """`ray job submit -- python train.py ... ray.learner_workers=2` on a `ray start --head` cluster: the job
+    succeeds, and its two learner actors (ranks 0 and 1, gloo) log what torchrun's 2 processes logged, step by
+    step: rollouts, losses, gradient norms, the weight-sync gate."""
+    _, dashboard, env = ray_head
+    cfg = tiny(*EXTRA, "run_name=launch_job")
+    cmd = [RAY, "job", "submit", "--address", dashboard, "--", sys.executable, "train.py", *cli_args(cfg), *EXTRA,
+           "steps=2", "run_name=launch_job", "ray.learner_workers=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "succeeded" in out, out[-3000:]
+    run_dir = os.path.join(cfg.out_dir, "launch_job")
+    same_records(run_dir, reference, [0, 1, 2])
+    assert records(run_dir)[1]["train/grad_norm"] > 0
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["final_accuracy"] is not None
+
+
+def test_a_failing_learner_actor_is_named(tiny, ray_head):
+    """Joining the cluster at ray.address, every rank raises at once (a config main() refuses): the driver stops
+    with the rank and the cause, and kills the other actors."""
     from train import launch_on_ray
 
-    summary = launch_on_ray(tiny(*EXTRA, "steps=2", "run_name=launch_ray", "ray.learner_workers=2"))
-    assert summary["run_dir"].endswith("launch_ray") and summary["final_accuracy"] is not None  # rank 0's summary
-    same_records(summary["run_dir"], reference, [0, 1, 2])
-    assert records(summary["run_dir"])[1]["train/grad_norm"] > 0
-
-
-def test_a_failing_learner_actor_is_named(tiny, local_ray):
-    """Every rank raises at once (a config main() refuses): the driver stops with the rank and the cause."""
-    from train import launch_on_ray
-
+    gcs, _, _ = ray_head
     with pytest.raises(RuntimeError, match=r"learner rank \d of 2 failed:(.|\n)*cannot train"):
-        launch_on_ray(tiny("rollout.engine=openai", "ray.learner_workers=2"))
+        launch_on_ray(tiny("rollout.engine=openai", f"ray.address={gcs}", "ray.learner_workers=2"))
+
+
+def test_no_cluster_at_the_address_is_a_clear_error(tiny):
+    from train import launch_on_ray
+
+    port = free_ports(1)[0]                                        # nothing listens there
+    with pytest.raises(ConnectionError, match=f"no Ray cluster at '127.0.0.1:{port}'"):
+        launch_on_ray(tiny(f"ray.address=127.0.0.1:{port}", "ray.learner_workers=2"))
 
 
 def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
@@ -86,18 +148,6 @@ def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="choose one launcher"):
         launch_on_ray(tiny("ray.learner_workers=2"))
-
-
-def test_no_cluster_at_the_address_is_a_clear_error(tiny):
-    import socket
-
-    from train import launch_on_ray
-
-    with socket.socket() as s:                                     # a port where nothing listens
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(ConnectionError, match=f"no Ray cluster at '127.0.0.1:{port}'"):
-        launch_on_ray(tiny(f"ray.address=127.0.0.1:{port}", "ray.learner_workers=2"))
 
 
 def test_resume_under_torchrun_is_exact(tiny, reference):
