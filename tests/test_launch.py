@@ -134,6 +134,17 @@ def test_a_failing_learner_actor_is_named(tiny, ray_head):
         launch_on_ray(tiny("rollout.engine=openai", f"ray.address={gcs}", "ray.learner_workers=2"))
 
 
+def test_bundles_the_cluster_cannot_place_are_a_clear_error(tiny, ray_head, monkeypatch):
+    """A GPU per learner on a CPU-only cluster: the placement group never becomes ready, and the driver says why
+    instead of waiting forever (PLACEMENT_TIMEOUT_S shortened from 300 s)."""
+    import train
+
+    gcs, _, _ = ray_head
+    monkeypatch.setattr(train, "PLACEMENT_TIMEOUT_S", 2)
+    with pytest.raises(RuntimeError, match=r"could not place 2 learner bundles of \{'CPU': 1.0, 'GPU': 1.0\}"):
+        train.launch_on_ray(tiny(f"ray.address={gcs}", "ray.learner_workers=2", "ray.gpus_per_learner=1"))
+
+
 def test_no_cluster_at_the_address_is_a_clear_error(tiny):
     from train import launch_on_ray
 
