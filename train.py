@@ -397,6 +397,7 @@ class LearnerRank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def run(self, cfg: Config, env: dict[str, str]) -> dict:
+        """main(cfg) as the rank that `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) names."""
         os.environ.update(env)                       # read by init_distributed (torch's env:// rendezvous)
         return main(cfg)
 
@@ -424,7 +425,7 @@ def launch_on_ray(cfg: Config) -> dict:
         except OSError as e:
             raise ConnectionError(f"no Ray cluster at {address!r} ({e}): start one there with `ray start --head`, "
                                   "or leave ray.address and $RAY_ADDRESS empty to start a local Ray") from None
-    started = not ray.is_initialized()
+    started = not ray.is_initialized()             # a connection the caller made is left open at the end
     if started:
         ray.init(address=rc.address or None)
     bundle = {"CPU": rc.cpus_per_learner, **({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})}
