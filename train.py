@@ -412,7 +412,10 @@ def launch_on_ray(cfg: Config) -> dict:
     if "RANK" in os.environ:                         # set by torchrun (and by us, inside an actor)
         raise ValueError(f"ray.learner_workers={n} under torchrun: choose one launcher (torchrun starts the ranks "
                          "itself; ray.learner_workers=N starts them as Ray actors from one `python train.py`)")
-    import ray
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"ray.learner_workers={n} needs Ray: pip install 'ray[default]' (or bash setup.sh)") from e
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
