@@ -121,6 +121,20 @@ class SFTConfig:
 
 
 @dataclass
+class RayConfig:
+    """Launching on a Ray cluster (train.launch_on_ray): `ray.learner_workers=N` runs the learner as N Ray actors,
+    the same SPMD ranks that `torchrun --nproc_per_node N` starts."""
+    address: str = ""                # the cluster to join ("" = $RAY_ADDRESS when set, e.g. by `ray job submit`,
+                                     # else start a local Ray); e.g. "HEAD_IP:6379"
+    learner_workers: int = 0         # 0: this process is the whole learner (or torchrun's ranks are); N > 0: N learner
+                                     # actors, one rank each (gloo on CPU, NCCL on GPUs)
+    cpus_per_learner: float = 1.0    # CPUs Ray reserves for each learner actor (its torch threads default to this)
+    gpus_per_learner: float = 0.0    # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
+    placement_strategy: str = "PACK"  # how the actors' bundles are placed: PACK (as few nodes as possible) or
+                                     # SPREAD (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
+
+
+@dataclass
 class Config:
     seed: int = 0                    # seeds task sampling, the engine and the learner (all derived per step)
     run_name: str = "toy_math"       # the run folder is out_dir/run_name
@@ -140,6 +154,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 # -----------------------------------------------------------------------------
@@ -247,6 +262,7 @@ def validate(cfg: Config) -> Config:
         ("rollout.engine", cfg.rollout.engine, ("torch", "vllm", "openai")),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
+        ("ray.placement_strategy", cfg.ray.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
     ]
     for key, value, allowed in choices:
         if value not in allowed:
@@ -264,6 +280,10 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")
+    rc = cfg.ray
+    if rc.learner_workers < 0 or rc.cpus_per_learner <= 0 or rc.gpus_per_learner < 0 or rc.gpus_per_learner % 1:
+        raise ValueError("ray.learner_workers must be >= 0 (0: no learner actors), ray.cpus_per_learner > 0 and "
+                         "ray.gpus_per_learner a whole number >= 0 (NCCL cannot put two ranks on one GPU)")
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
     if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):

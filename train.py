@@ -2,6 +2,7 @@
 
     python train.py --config configs/toy_math.yaml [key.sub=value ...]
     torchrun --nproc_per_node 2 train.py --config configs/toy_math.yaml [key.sub=value ...]
+    ray job submit -- python train.py --config configs/toy_math.yaml ray.learner_workers=2 [key.sub=value ...]
 
 config -> build (model, tokenizer, envs, engine, learner) -> loop:
     sample prompts -> rollouts (n per prompt, multi-turn, tools) -> rewards -> group advantages
@@ -30,6 +31,10 @@ deterministic and its updates equal a single process's. Rank 0 alone evaluates, 
 checkpoints; the engine push gathers the full (LoRA-merged) state dict onto rank 0. The design is the
 simplest correct one, and it scales the learner only: rollouts run on one rank while the others wait
 (rank-parallel rollouts would need one engine per rank and a gather of the trajectories).
+
+Under Ray (`ray.learner_workers=N`, launch_on_ray): this process only places N actors, and each actor runs
+main(cfg) as one of N ranks, exactly as torchrun's processes do; the process group, the sharding and the
+loop are the same, so the two launchers log the same records.
 """
 import argparse
 import copy
@@ -415,5 +420,95 @@ def cli(argv=None) -> Config:
         sys.exit(f"config error: {e.args[0] if e.args else e}")
 
 
+# -----------------------------------------------------------------------------
+# launching on Ray: the learner's ranks as actors, the same SPMD main() that torchrun starts
+
+PLACEMENT_TIMEOUT_S = 300   # how long to wait for the cluster to free (or an autoscaler to add) the bundles
+
+
+class LearnerRank:
+    """One rank of the learner in a Ray actor (wrapped by ray.remote in launch_on_ray, so that importing
+    train.py never imports Ray). It sets torchrun's environment variables, then runs main(cfg)."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: rank 0's answer is every rank's MASTER_ADDR and MASTER_PORT."""
+        import socket
+
+        import ray
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def run(self, cfg: Config, env: dict[str, str]) -> dict:
+        """main(cfg) as the rank that `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) names."""
+        os.environ.update(env)                       # read by init_distributed (torch's env:// rendezvous)
+        return main(cfg)
+
+
+def launch_on_ray(cfg: Config) -> dict:
+    """Run main(cfg) as cfg.ray.learner_workers Ray actors, rank i in bundle i of one placement group, and return
+    rank 0's summary. So `ray job submit -- python train.py ... ray.learner_workers=2` trains exactly as
+    `torchrun --nproc_per_node 2 train.py ...` does. Joins the cluster at ray.address ("" = $RAY_ADDRESS, else a
+    local Ray it starts and stops). If an actor fails or dies, the others would wait in a collective forever:
+    they are killed, and the error names the rank."""
+    rc, n = cfg.ray, cfg.ray.learner_workers
+    if "RANK" in os.environ:                         # set by torchrun (and by us, inside an actor)
+        raise ValueError(f"ray.learner_workers={n} under torchrun: choose one launcher (torchrun starts the ranks "
+                         "itself; ray.learner_workers=N starts them as Ray actors from one `python train.py`)")
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"ray.learner_workers={n} needs Ray: pip install 'ray[default]' (or bash setup.sh)") from e
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    address = rc.address or os.environ.get("RAY_ADDRESS", "")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():                     # ray.init would retry a dead address for minutes
+        import socket
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ConnectionError(f"no Ray cluster at {address!r} ({e}): start one there with `ray start --head`, "
+                                  "or leave ray.address and $RAY_ADDRESS empty to start a local Ray") from None
+    started = not ray.is_initialized()             # a connection the caller made is left open at the end
+    if started:
+        ray.init(address=rc.address or None)
+    bundle = {"CPU": rc.cpus_per_learner, **({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})}
+    pg = placement_group([bundle] * n, strategy=rc.placement_strategy)
+    ranks = []
+    try:
+        if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
+            raise RuntimeError(f"Ray could not place {n} learner bundles of {bundle} ({rc.placement_strategy}) in "
+                               f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}")
+        actor = ray.remote(LearnerRank)
+        ranks = [actor.options(num_cpus=rc.cpus_per_learner, num_gpus=rc.gpus_per_learner,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                 .remote() for i in range(n)]
+        master_addr, master_port = ray.get(ranks[0].address.remote())
+        # LOCAL_RANK 0: Ray gives each actor its own GPU(s) through CUDA_VISIBLE_DEVICES, so its GPU is device 0
+        runs = {r.run.remote(cfg, {"RANK": str(i), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
+                                   "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}): i
+                for i, r in enumerate(ranks)}
+        results, pending = {}, list(runs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[runs[done[0]]] = ray.get(done[0])
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:  # raised, or the process died
+                raise RuntimeError(f"learner rank {runs[done[0]]} of {n} failed: {e}") from e
+        return results[0]
+    finally:
+        for r in ranks:
+            ray.kill(r)
+        remove_placement_group(pg)
+        if started:
+            ray.shutdown()
+
+
 if __name__ == "__main__":
-    main(cli())
+    cfg = cli()
+    if cfg.ray.learner_workers:
+        launch_on_ray(cfg)
+    else:
+        main(cfg)
