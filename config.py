@@ -19,6 +19,7 @@ import yaml
 import algos
 from agent import CHAT_FORMATS, AgentConfig
 from learner import LearnerConfig
+from rollout import DISPATCHERS
 
 
 @dataclass
@@ -118,6 +119,25 @@ class SFTConfig:
 
 
 @dataclass
+class RayConfig:
+    # --- rollout workers and dispatchers (rollout.py, section "Ray"); rank 0 alone talks to Ray
+    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each) that play the episodes;
+                                     # 0: the engine in this process, and Ray is never imported
+    env_workers: int = 0             # EnvWorker actors: env steps of every worker go through them (CPU-heavy envs), and
+                                     # they run async_pipeline's init and evaluate stages (which need at least 1)
+    dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (rollout.dispatch)
+    chunk_groups: int = 1            # task groups per unit of work: one worker call, one seed (from its first group)
+    max_in_flight: int = 0           # chunks in flight at most: async_batch_bounded (0: one per worker) and
+                                     # async_pipeline (0: two per worker); async_batch submits all
+    cpus_per_worker: float = 1.0     # each rollout worker's placement-group bundle: CPUs ...
+    gpus_per_worker: float = 0.0     # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
+    cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
+    placement_strategy: str = "PACK"  # PACK: bundles on as few nodes as possible; SPREAD: on as many (multi-node)
+    address: str = ""                # Ray cluster to join ("auto": the one `ray start --head` made here, or the
+                                     # job's under `ray job submit`); "": start a local one in this process
+
+
+@dataclass
 class Config:
     seed: int = 0                    # seeds task sampling, the engine and the learner (all derived per step)
     run_name: str = "toy_math"       # the run folder is out_dir/run_name
@@ -137,6 +157,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    ray: RayConfig = field(default_factory=RayConfig)  # Ray rollout workers (off by default)
 
 
 # -----------------------------------------------------------------------------
@@ -258,12 +279,32 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")
+    validate_ray(cfg)
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
     if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):
         raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
                          "non-empty")
     return cfg
+
+
+def validate_ray(cfg: Config):
+    """The ray section's choices, checked before anything is built."""
+    r = cfg.ray
+    if r.dispatcher not in DISPATCHERS:
+        close = difflib.get_close_matches(r.dispatcher, list(DISPATCHERS), n=1, cutoff=0.0)
+        raise ValueError(f"ray.dispatcher={r.dispatcher!r} is not one of {list(DISPATCHERS)}; did you mean {close[0]!r}?")
+    if r.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        raise ValueError(f"ray.placement_strategy={r.placement_strategy!r}: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+    if r.rollout_workers < 0 or r.env_workers < 0 or r.chunk_groups < 1 or r.max_in_flight < 0:
+        raise ValueError("ray.rollout_workers, env_workers and max_in_flight must be >= 0, ray.chunk_groups >= 1")
+    if r.env_workers and not r.rollout_workers:
+        raise ValueError("ray.env_workers serve Ray rollout workers: set ray.rollout_workers > 0 too")
+    if r.rollout_workers and r.dispatcher == "async_pipeline" and not r.env_workers:
+        raise ValueError("ray.dispatcher=async_pipeline runs its init and evaluate stages on env workers: "
+                         "set ray.env_workers >= 1")
+    if r.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
+        raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
 
 
 def _set_path(d: dict, dotted: str, value):
