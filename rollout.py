@@ -630,12 +630,15 @@ class RolloutWorker:
         self.step_many = EnvPool(env_workers) if env_workers else None
 
     def sleep(self):
+        """The engine's sleep (frees its GPU memory while the learner trains; a no-op on CPU)."""
         self.engine.sleep()
 
     def wake_up(self):
+        """The engine's wake_up, before the next push."""
         self.engine.wake_up()
 
     def busy_seconds(self) -> float:
+        """Seconds spent in run/play since the start: a dispatcher reads it before and after (idle fraction)."""
         return self.busy
 
 
@@ -884,19 +887,24 @@ class RayEngine:
 
     def play(self, tasks: list[Task], params: SamplingParams, seed: int, judge_weight: float = 0.0,
              agent: AgentConfig | None = None) -> tuple[list[Trajectory], DispatchStats]:
+        """rollout.dispatch with the configured dispatcher -> (trajectories group-major, stats)."""
         return dispatch(self.dispatcher, self.workers, tasks, params, seed, judge_weight, agent or self.agent,
                         self.chunk_groups, self.max_in_flight, self.env_workers)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Worker 0's engine.generate (the weight-sync gate's probe: every worker got the same push)."""
         return _get(self.workers[0].generate.remote(prompts, params), "RolloutWorker 0")
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]):
+        """push_weights to every worker; its seconds are kept in push_seconds."""
         self.push_seconds = push_weights(self.workers, state_dict)
 
     def sleep(self):
+        """Every worker's engine sleeps (GPU memory freed for the learner; a no-op on CPU)."""
         _get([w.sleep.remote() for w in self.workers], "a RolloutWorker")
 
     def wake_up(self):
+        """Every worker's engine wakes up."""
         _get([w.wake_up.remote() for w in self.workers], "a RolloutWorker")
 
     def shutdown(self):
