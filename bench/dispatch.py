@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/dispatch.py                                   # 2 workers, 32 toy-math tasks x 4 samples
     .venv/bin/python bench/dispatch.py --workers 4 --tasks 64 --chunk-groups 4 --max-in-flight 4 --repeats 3
+    .venv/bin/python bench/dispatch.py --model .cache/default_model_XXXX  # a model folder already built
 
 The embedded default model plays training-style episodes (temperature 1, multi-turn with tools) of the same
 tasks with the same seed in every mode. In process: one run_episodes over all tasks (one batched engine,
@@ -17,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +37,7 @@ from sft import build_default_model  # noqa: E402
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/toy_math.yaml")
+    p.add_argument("--model", default="", help="a model folder (default: the config's embedded model, built if needed)")
     p.add_argument("--workers", type=int, default=2, help="RolloutWorkers (one CPU each)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--tasks", type=int, default=32)
@@ -43,12 +46,13 @@ def main():
     p.add_argument("--max-in-flight", type=int, default=0, help="bounded / pipeline (0: their defaults)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.cache_dir=/elsewhere/.cache")
     args = p.parse_args()
 
     import ray
-    cfg = load_config(args.config, [f"rollout.agent.n_samples={args.n}"])
-    model_dir = build_default_model(cfg)
-    agent = cfg.rollout.agent
+    cfg = load_config(args.config, args.overrides)
+    model_dir = args.model or build_default_model(cfg)
+    agent = replace(cfg.rollout.agent, n_samples=args.n)
     envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
     tasks = envs[cfg.envs[0].name].sample_tasks("train", args.tasks, args.seed)
     params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens)
