@@ -5,8 +5,9 @@
     .venv/bin/python bench/dispatch.py --model .cache/default_model_XXXX  # a model folder already built
 
 The embedded default model plays training-style episodes (temperature 1, multi-turn with tools) of the same
-tasks with the same seed in every mode. In process: one run_episodes over all tasks (one batched engine,
-torch threads = workers x threads per worker, the same CPUs). Ray: `workers` RolloutWorkers of one CPU each
+tasks with the same seed in every mode. In process: one run_episodes over all tasks (one batched engine), with
+torch threads = workers x threads per worker (the same CPUs) and with 1 thread (the baseline of the ratios:
+under load, threads fight other jobs for the cores and can be slower than one). Ray: `workers` RolloutWorkers of one CPU each
 (and 2 EnvWorkers for async_pipeline's init and evaluate stages) play chunks of --chunk-groups tasks through
 each dispatcher. The modes take turns, `repeats` times (taking turns spreads any other load on the machine
 over all of them); the table gives medians: wall seconds, trajectories/s, sampled tokens/s, the workers'
@@ -68,14 +69,15 @@ def main():
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     engine = TorchEngine(load_model(model_dir).eval(), pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          max_batch_size=cfg.rollout.max_batch_size)
-    torch.set_num_threads(args.workers * args.threads)
-
-    def in_process():
-        t0 = time.perf_counter()
-        trajs = run_episodes(engine, envs, tasks, tokenizer, agent, params, args.seed)
-        wall = time.perf_counter() - t0
-        return {"wall": wall, "traj/s": len(trajs) / wall, "tok/s": sum(sum(t.loss_mask) for t in trajs) / wall,
-                "idle": float("nan")}
+    def in_process(threads):
+        def run():
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            trajs = run_episodes(engine, envs, tasks, tokenizer, agent, params, args.seed)
+            wall = time.perf_counter() - t0
+            return {"wall": wall, "traj/s": len(trajs) / wall, "tok/s": sum(sum(t.loss_mask) for t in trajs) / wall,
+                    "idle": float("nan")}
+        return run
 
     def on_ray(kind):
         def run():
@@ -86,7 +88,9 @@ def main():
                     "tok/s": m["dispatch/tokens_per_s"], "idle": s.idle_fraction}
         return run
 
-    modes = {"in-process run_episodes": in_process, **{k: on_ray(k) for k in DISPATCHERS}}
+    many = args.workers * args.threads
+    modes = {"in-process run_episodes, 1 thread": in_process(1),
+             f"in-process run_episodes, {many} threads": in_process(many), **{k: on_ray(k) for k in DISPATCHERS}}
     for run in modes.values():                                        # warm-up: actors started, caches filled
         run()
     results = {name: [] for name in modes}
@@ -96,11 +100,11 @@ def main():
     ray.shutdown()
 
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
-    base = med["in-process run_episodes"]["tok/s"]
+    base = med["in-process run_episodes, 1 thread"]["tok/s"]
     print(f"\n{args.tasks} tasks x {args.n} samples, {args.workers} workers x {args.threads} threads, "
           f"chunk_groups {args.chunk_groups}, max_in_flight {args.max_in_flight or 'default'}, "
           f"median of {args.repeats}\n")
-    print("| mode | wall s | trajectories/s | sampled tokens/s | worker idle | tokens/s vs in-process |")
+    print("| mode | wall s | trajectories/s | sampled tokens/s | worker idle | tokens/s vs in-process, 1 thread |")
     print("|---|---|---|---|---|---|")
     for name, m in med.items():
         idle = "-" if m["idle"] != m["idle"] else f"{m['idle']:.2f}"
