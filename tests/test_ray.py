@@ -18,8 +18,8 @@ from test_train import tiny  # noqa: E402,F401  (the session's tiny default mode
 
 from agent import AgentConfig, SamplingParams, run_episodes  # noqa: E402
 from env import ToyMathEnv, make_env  # noqa: E402
-from rollout import (EnvPool, TorchEngine, WorkerSpec, chunk_seed, dispatch, make_placement_group,  # noqa: E402
-                     push_weights, start_env_workers, start_rollout_workers)
+from rollout import (EnvPool, NumpyWeights, TorchEngine, WorkerSpec, chunk_seed, dispatch,  # noqa: E402
+                     make_placement_group, push_weights, start_env_workers, start_rollout_workers)
 
 AGENT = AgentConfig(n_samples=2, max_turns=3, max_total_tokens=768)
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40)
@@ -131,6 +131,16 @@ def test_push_weights_makes_workers_run_the_learners_weights(cluster):
         assert [x.logprobs for x in after[1]] != [x.logprobs for x in before]     # the push changed them
     finally:
         push_weights(w, base)                                        # the other tests use the base model
+
+
+def test_numpy_weights_round_trip_bfloat16_too():
+    """What push_weights puts in the object store gives back the same tensors, bfloat16 (no numpy dtype) included."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16)}
+    out = NumpyWeights.from_torch(sd).to_torch()
+    assert out.keys() == sd.keys()
+    for k in sd:
+        assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
 
 
 def test_env_pool_steps_equal_in_process_steps_errors_included(cluster):
