@@ -293,7 +293,8 @@ def validate_ray(cfg: Config):
     r = cfg.ray
     if r.dispatcher not in DISPATCHERS:
         close = difflib.get_close_matches(r.dispatcher, list(DISPATCHERS), n=1, cutoff=0.0)
-        raise ValueError(f"ray.dispatcher={r.dispatcher!r} is not one of {list(DISPATCHERS)}; did you mean {close[0]!r}?")
+        raise ValueError(f"ray.dispatcher={r.dispatcher!r} is not one of {list(DISPATCHERS)}; "
+                         f"did you mean {close[0]!r}?")
     if r.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
         raise ValueError(f"ray.placement_strategy={r.placement_strategy!r}: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
     if r.rollout_workers < 0 or r.env_workers < 0 or r.chunk_groups < 1 or r.max_in_flight < 0:

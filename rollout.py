@@ -694,8 +694,9 @@ def make_placement_group(n: int, cpus: float, gpus: float = 0, strategy: str = "
     pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
     if not pg.wait(wait_s):
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"Ray cannot place {n} workers of {bundle} ({strategy}) in {wait_s:g} s; the cluster has "
-                           f"{ray.cluster_resources()}: lower ray.cpus_per_worker / gpus_per_worker or the worker count")
+        raise RuntimeError(f"Ray cannot place {n} workers of {bundle} ({strategy}) in {wait_s:g} s; the cluster "
+                           f"has {ray.cluster_resources()}: lower ray.cpus_per_worker / gpus_per_worker or the "
+                           "worker count")
     return pg
 
 

@@ -7,11 +7,11 @@
 The embedded default model plays training-style episodes (temperature 1, multi-turn with tools) of the same
 tasks with the same seed in every mode. In process: one run_episodes over all tasks (one batched engine), with
 torch threads = workers x threads per worker (the same CPUs) and with 1 thread (the baseline of the ratios:
-under load, threads fight other jobs for the cores and can be slower than one). Ray: `workers` RolloutWorkers of one CPU each
-(and 2 EnvWorkers for async_pipeline's init and evaluate stages) play chunks of --chunk-groups tasks through
-each dispatcher. The modes take turns, `repeats` times (taking turns spreads any other load on the machine
-over all of them); the table gives medians: wall seconds, trajectories/s, sampled tokens/s, the workers'
-mean idle fraction, and tokens/s relative to in-process.
+under load, threads fight other jobs for the cores and can be slower than one). Ray: `workers` RolloutWorkers
+of `threads` CPUs each (and 2 EnvWorkers for async_pipeline's init and evaluate stages) play chunks of
+--chunk-groups tasks through each dispatcher. The modes take turns, `repeats` times (taking turns spreads any
+other load on the machine over all of them); the table gives medians: wall seconds, trajectories/s, sampled
+tokens/s, the workers' mean idle fraction, and tokens/s relative to in-process with 1 thread.
 """
 import argparse
 import os
@@ -108,7 +108,8 @@ def main():
     print("|---|---|---|---|---|---|")
     for name, m in med.items():
         idle = "-" if m["idle"] != m["idle"] else f"{m['idle']:.2f}"
-        print(f"| {name} | {m['wall']:.2f} | {m['traj/s']:.1f} | {m['tok/s']:.0f} | {idle} | {m['tok/s'] / base:.2f}x |")
+        print(f"| {name} | {m['wall']:.2f} | {m['traj/s']:.1f} | {m['tok/s']:.0f} | {idle} "
+              f"| {m['tok/s'] / base:.2f}x |")
 
 
 if __name__ == "__main__":
