@@ -557,11 +557,13 @@ class NumpyWeights:
 
     @staticmethod
     def from_torch(state_dict: dict[str, torch.Tensor]) -> "NumpyWeights":
+        """The tensors as arrays sharing their memory (a copy only for a tensor off the CPU or not contiguous)."""
         arrays, bf16 = {}, []
         for name, t in state_dict.items():
             t = t.detach().cpu().contiguous()
             if t.dtype == torch.bfloat16:
-                t, bf16 = t.view(torch.int16), bf16 + [name]
+                t = t.view(torch.int16)                   # same bits, a dtype numpy has
+                bf16.append(name)
             arrays[name] = t.numpy()
         return NumpyWeights(arrays, tuple(bf16))
 
