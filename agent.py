@@ -619,27 +619,53 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
+class StepResult(NamedTuple):
+    """What env.step returned for one episode, or the error it raised (then the other fields are empty)."""
+    state: object                      # the env's new state (EnvState or a subclass)
+    obs: list                          # observation messages
+    reward: float                      # this step's reward
+    done: bool                         # the env ended the episode
+    info: dict                         # the env's info
+    error: str | None = None           # "ExceptionName: message" when env.step raised
+
+
+def step_envs(envs: dict[str, Env], calls: list[tuple[str, object, Action]]) -> list[StepResult]:
+    """The default `step_many` of play_episodes: env.step of every (env name, state, action) call, in order, in
+    this process. An exception becomes that call's error (a broken env ends its episode, not the batch), so a
+    caller elsewhere (an EnvWorker in another process) returns the same thing."""
+    results = []
+    for name, state, action in calls:
+        try:
+            results.append(StepResult(*envs[name].step(state, action)))
+        except Exception as e:
+            results.append(StepResult(None, [], 0.0, False, {}, f"{type(e).__name__}: {e}"))
+    return results
+
+
 def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: AgentConfig,
-                 params: SamplingParams, seed: int, judge_weight: float = 0.0) -> list[Trajectory]:
+                 params: SamplingParams, seed: int, judge_weight: float = 0.0, step_many=None) -> list[Trajectory]:
     """Play cfg.n_samples episodes of every task, token-in token-out. Returns them group-major
     (all samples of tasks[0], then tasks[1], ...), group = task index, sample = 0..n_samples-1.
 
-    Each turn is one batched engine.generate call over all episodes still running. Every episode keeps
-    its own token budget: the call asks for the largest budget of the batch, and each generation is cut
-    to its own episode's budget afterwards (its kept tokens are a valid sample: sampling is causal).
-    One token of each budget is kept free for a forced <|im_end|>, so no trajectory exceeds
-    cfg.max_total_tokens (unless its prompt alone does: that episode then ends with no turn).
+    Three pieces, which a pipeline can also run apart (rollout.py's async_pipeline, each on its own Ray actors):
+    init_episodes (env.reset, the first prompt rendered and encoded), play_episodes (the generation / tool
+    loop), finish_episodes (the judge). `step_many(calls) -> [StepResult]` runs a turn's env steps; the default
+    is step_envs over `envs` in this process (rollout.EnvPool spreads them over Ray EnvWorkers).
 
     judge_weight > 0 (training only; evaluate() never passes it): a finished episode's reward gets
     judge_weight * env.judge(task, messages) added, for envs that have a judge (see Env.judge).
     """
-    im_end = tokenizer.token_to_id(IM_END)
-    if im_end is None:
-        raise ValueError(f"tokenizer has no {IM_END} token")
-    stop_ids = tuple(dict.fromkeys((im_end, *params.stop_token_ids)))
-    # the smallest budget worth another turn: one sampled token plus the slot kept for a forced <|im_end|>
-    min_room = 2
+    trajs, states = init_episodes(envs, tasks, tokenizer, cfg, seed)
+    play_episodes(engine, trajs, states, tokenizer, cfg, params, seed,
+                  step_many or (lambda calls: step_envs(envs, calls)))
+    return finish_episodes(envs, trajs, judge_weight)
 
+
+def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: AgentConfig,
+                  seed: int) -> tuple[list[Trajectory], list]:
+    """env.reset of cfg.n_samples episodes per task and their first prompt, rendered and encoded ->
+    (trajectories holding only that prompt, group-major; the env states). An episode whose prompt leaves no room
+    for a turn already has finish_reason "max_tokens"."""
     trajs, states, prompt_cache = [], [], {}
     for g, task in enumerate(tasks):
         env = envs[task.env]
@@ -652,10 +678,32 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
             ids = list(prompt_cache[text])
             traj = Trajectory(task=task, group=g, sample=s, token_ids=ids, loss_mask=[0] * len(ids),
                               logprobs=[0.0] * len(ids), prompt_len=len(ids), messages=list(msgs))
-            if len(ids) + min_room > cfg.max_total_tokens:
+            if len(ids) + _MIN_ROOM > cfg.max_total_tokens:
                 traj.finish_reason = "max_tokens"
             trajs.append(traj)
             states.append(state)
+    return trajs, states
+
+
+# the smallest budget worth another turn: one sampled token plus the slot kept for a forced <|im_end|>
+_MIN_ROOM = 2
+
+
+def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg: AgentConfig,
+                  params: SamplingParams, seed: int, step_many) -> list[Trajectory]:
+    """The multi-turn loop over init_episodes' output, extending the trajectories in place (also returned).
+
+    Each turn is one batched engine.generate call over all episodes still running, then one
+    step_many call with their env steps. Every episode keeps its own token budget: the call asks for the
+    largest budget of the batch, and each generation is cut to its own episode's budget afterwards (its kept
+    tokens are a valid sample: sampling is causal). One token of each budget is kept free for a forced
+    <|im_end|>, so no trajectory exceeds cfg.max_total_tokens (unless its prompt alone does: that episode
+    then ends with no turn).
+    """
+    im_end = tokenizer.token_to_id(IM_END)
+    if im_end is None:
+        raise ValueError(f"tokenizer has no {IM_END} token")
+    stop_ids = tuple(dict.fromkeys((im_end, *params.stop_token_ids)))
 
     active = [i for i, t in enumerate(trajs) if not t.finish_reason]
     turn = 0
@@ -667,9 +715,9 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
         if len(gens) != len(active):
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
 
-        still_active = []
+        actions = []
         for i, budget, gen in zip(active, budgets, gens):
-            traj, env = trajs[i], envs[trajs[i].task.env]
+            traj = trajs[i]
             ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
             for k, t in enumerate(ids):            # keep up to the first stop token (an engine may run past it)
                 if t in stop_ids:
@@ -694,13 +742,16 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
             traj.parse_failures += action.parse_error is not None
             traj.empty_responses += not text.strip()
             traj.messages.append(assistant_message(text))
+            actions.append(action)
 
-            try:
-                state, obs, reward, done, info = env.step(states[i], action)
-            except Exception as e:                 # a broken env ends this episode, not the whole batch
+        results = step_many([(trajs[i].task.env, states[i], a) for i, a in zip(active, actions)])
+        still_active = []
+        for i, (state, obs, reward, done, info, error) in zip(active, results):
+            traj = trajs[i]
+            if error is not None:                  # a broken env ends this episode, not the whole batch
                 traj.env_errors += 1
                 traj.reward, traj.done, traj.finish_reason = 0.0, False, "env_error"
-                traj.info = {"error": f"{type(e).__name__}: {e}"}
+                traj.info = {"error": error}
                 continue
             states[i] = state
             traj.reward += float(reward)
@@ -710,18 +761,13 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
 
             if done:
                 traj.done, traj.finish_reason = True, "done"
-                if judge_weight:
-                    score = env.judge(traj.task, traj.messages)
-                    if score is not None:
-                        traj.info["judge"] = float(score)
-                        traj.reward += judge_weight * float(score)
                 continue
             if traj.num_turns >= cfg.max_turns:
                 traj.finish_reason = "max_turns"
                 continue
             # only the new observation and the next generation prompt are rendered and appended
             cont = _encode(tokenizer, render_continuation(obs, cfg.chat_format, cfg.enable_thinking))
-            if len(traj.token_ids) + len(cont) + min_room > cfg.max_total_tokens:
+            if len(traj.token_ids) + len(cont) + _MIN_ROOM > cfg.max_total_tokens:
                 traj.finish_reason = "max_tokens"  # no room to answer this observation: leave it out
                 continue
             traj.token_ids += cont
@@ -731,6 +777,19 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
             still_active.append(i)
         active = still_active
         turn += 1
+    return trajs
+
+
+def finish_episodes(envs: dict[str, Env], trajs: list[Trajectory], judge_weight: float) -> list[Trajectory]:
+    """The end of every episode the env finished: judge_weight * env.judge(task, messages) added to its reward
+    (and the score kept in info["judge"]) when judge_weight > 0 and the env has a judge. In place; returned."""
+    if judge_weight:
+        for traj in trajs:
+            if traj.finish_reason == "done":
+                score = envs[traj.task.env].judge(traj.task, traj.messages)
+                if score is not None:
+                    traj.info["judge"] = float(score)
+                    traj.reward += judge_weight * float(score)
     return trajs
 
 

@@ -19,6 +19,7 @@ import yaml
 import algos
 from agent import CHAT_FORMATS, AgentConfig
 from learner import LearnerConfig
+from rollout import DISPATCHERS
 
 
 @dataclass
@@ -122,16 +123,30 @@ class SFTConfig:
 
 @dataclass
 class RayConfig:
-    """Launching on a Ray cluster (train.launch_on_ray): `ray.learner_workers=N` runs the learner as N Ray actors,
-    the same SPMD ranks that `torchrun --nproc_per_node N` starts."""
-    address: str = ""                # the cluster to join ("" = $RAY_ADDRESS when set, e.g. by `ray job submit`,
-                                     # else start a local Ray); e.g. "HEAD_IP:6379"
+    """The `ray:` section. Launching (train.launch_on_ray): `ray.learner_workers=N` runs the learner as N Ray
+    actors, the same SPMD ranks that `torchrun --nproc_per_node N` starts. Rollouts (rollout.py, section "Ray"):
+    `ray.rollout_workers=M` plays the episodes on M RolloutWorker actors through a dispatcher."""
+    address: str = ""                # the cluster to join: "" = $RAY_ADDRESS when set (e.g. by `ray job submit`), else a
+                                     # local Ray started in this process; or e.g. "HEAD_IP:6379"
+    placement_strategy: str = "PACK"  # how actors' bundles are placed: PACK (as few nodes as possible) or SPREAD
+                                     # (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
+    # --- the learner's ranks as actors (train.launch_on_ray)
     learner_workers: int = 0         # 0: this process is the whole learner (or torchrun's ranks are); N > 0: N learner
                                      # actors, one rank each (gloo on CPU, NCCL on GPUs)
     cpus_per_learner: float = 1.0    # CPUs Ray reserves for each learner actor (its torch threads default to this)
     gpus_per_learner: float = 0.0    # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
-    placement_strategy: str = "PACK"  # how the actors' bundles are placed: PACK (as few nodes as possible) or
-                                     # SPREAD (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
+    # --- rollout workers and dispatchers (rollout.py, section "Ray"); rank 0 alone talks to them
+    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each) that play the episodes;
+                                     # 0: the engine in this process, and Ray is never imported for rollouts
+    env_workers: int = 0             # EnvWorker actors: env steps of every worker go through them (CPU-heavy envs), and
+                                     # they run async_pipeline's init and evaluate stages (which need at least 1)
+    dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (rollout.dispatch)
+    chunk_groups: int = 1            # task groups per unit of work: one worker call, one seed (from its first group)
+    max_in_flight: int = 0           # chunks in flight at most: async_batch_bounded (0: one per worker) and
+                                     # async_pipeline (0: two per worker); async_batch submits all
+    cpus_per_worker: float = 1.0     # each rollout worker's placement-group bundle: CPUs ...
+    gpus_per_worker: float = 0.0     # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
+    cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
 
 
 @dataclass
@@ -154,7 +169,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
+    ray: RayConfig = field(default_factory=RayConfig)  # Ray rollout workers (off by default)
 
 
 # -----------------------------------------------------------------------------
@@ -280,16 +295,34 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")
-    rc = cfg.ray
-    if rc.learner_workers < 0 or rc.cpus_per_learner <= 0 or rc.gpus_per_learner < 0 or rc.gpus_per_learner % 1:
-        raise ValueError("ray.learner_workers must be >= 0 (0: no learner actors), ray.cpus_per_learner > 0 and "
-                         "ray.gpus_per_learner a whole number >= 0 (NCCL cannot put two ranks on one GPU)")
+    validate_ray(cfg)
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
     if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):
         raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
                          "non-empty")
     return cfg
+
+
+def validate_ray(cfg: Config):
+    """The ray section's choices, checked before anything is built."""
+    r = cfg.ray
+    if r.dispatcher not in DISPATCHERS:
+        close = difflib.get_close_matches(r.dispatcher, list(DISPATCHERS), n=1, cutoff=0.0)
+        raise ValueError(f"ray.dispatcher={r.dispatcher!r} is not one of {list(DISPATCHERS)}; "
+                         f"did you mean {close[0]!r}?")
+    if r.learner_workers < 0 or r.cpus_per_learner <= 0 or r.gpus_per_learner < 0 or r.gpus_per_learner % 1:
+        raise ValueError("ray.learner_workers must be >= 0 (0: no learner actors), ray.cpus_per_learner > 0 and "
+                         "ray.gpus_per_learner a whole number >= 0 (NCCL cannot put two ranks on one GPU)")
+    if r.rollout_workers < 0 or r.env_workers < 0 or r.chunk_groups < 1 or r.max_in_flight < 0:
+        raise ValueError("ray.rollout_workers, env_workers and max_in_flight must be >= 0, ray.chunk_groups >= 1")
+    if r.env_workers and not r.rollout_workers:
+        raise ValueError("ray.env_workers serve Ray rollout workers: set ray.rollout_workers > 0 too")
+    if r.rollout_workers and r.dispatcher == "async_pipeline" and not r.env_workers:
+        raise ValueError("ray.dispatcher=async_pipeline runs its init and evaluate stages on env workers: "
+                         "set ray.env_workers >= 1")
+    if r.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
+        raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
 
 
 def _set_path(d: dict, dotted: str, value):

@@ -36,6 +36,12 @@ def evaluate(engine, envs: dict[str, Env], tasks: dict[str, list[Task]], tokeniz
     cfg = replace(agent_cfg, n_samples=1)
     all_tasks = [t for name in tasks for t in tasks[name]]
     trajs = run_episodes(engine, envs, all_tasks, tokenizer, cfg, params, seed, judge_weight=0.0)  # never a judge
+    return eval_metrics(tasks, trajs), trajs
+
+
+def eval_metrics(tasks: dict[str, list[Task]], trajs: list[Trajectory]) -> dict[str, float]:
+    """The 'eval/...' metrics of one episode per held-out task, however they were played (evaluate() in this
+    process; train.py's Ray workers through a dispatcher)."""
     metrics: dict[str, float] = {}
     for name in tasks:
         tr = [t for t in trajs if t.task.env == name]
@@ -54,7 +60,7 @@ def evaluate(engine, envs: dict[str, Env], tasks: dict[str, list[Task]], tokeniz
         metrics.update({f"eval/{name}/{k}": v for k, v in m.items()})
     for k in ("accuracy", "mean_turns", "tool_calls", "tokens", "parse_failure_rate"):
         metrics[f"eval/{k}"] = sum(metrics[f"eval/{name}/{k}"] for name in tasks) / max(len(tasks), 1)
-    return metrics, trajs
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,12 @@ simplest correct one, and it scales the learner only: rollouts run on one rank w
 Under Ray (`ray.learner_workers=N`, launch_on_ray): this process only places N actors, and each actor runs
 main(cfg) as one of N ranks, exactly as torchrun's processes do; the process group, the sharding and the
 loop are the same, so the two launchers log the same records.
+
+With ray.rollout_workers > 0, rank 0 starts (or joins, ray.address) a Ray cluster and N RolloutWorker actors,
+each with its own engine, in a placement group (rollout.py, section "Ray"). They play the rollouts and the
+held-out evals through the dispatcher of ray.dispatcher (dispatch/* metrics); the push after each update is
+one object-store put read by all of them (rollout.push_weights), and the gate samples its probe on worker 0.
+With 0 (the default) Ray is never imported and everything runs in this process as described above.
 """
 import argparse
 import copy
@@ -56,13 +62,14 @@ import algos
 from agent import SamplingParams, rollout_metrics, run_episodes, to_batch
 from config import Config, load_config, to_dict
 from env import make_env
-from eval import dump_episodes, evaluate, heldout_tasks
+from eval import dump_episodes, eval_metrics, evaluate, heldout_tasks
 from learner import (Critic, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object, cleanup_distributed,
                      compute_logprobs, compute_values, critic_step, init_distributed, is_main, load_checkpoint,
                      make_learner, merged_state_dict, save_checkpoint, save_merged, shard_model, train_step)
 from model import load_model
 from plot import save_curves
-from rollout import TorchEngine, VLLMEngine, assert_synced, logprob_gap, sync_probe
+from rollout import (RayEngine, TorchEngine, VLLMEngine, WorkerSpec, assert_synced, logprob_gap,
+                     make_placement_group, start_env_workers, start_rollout_workers, sync_probe)
 from sft import build_default_model
 
 
@@ -89,7 +96,8 @@ def sample_train_tasks(envs: dict, specs: list, n: int, seed: int) -> list:
 
 
 def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
-    """prompts_per_step groups of n_samples episodes -> (trajectories, rounds used).
+    """prompts_per_step groups of n_samples episodes -> (trajectories, rounds used, dispatch/* metrics of the
+    last round: empty unless the engine is a RayEngine, whose workers play the episodes through a dispatcher).
 
     With algo.dynamic_sampling (DAPO), groups whose rewards are all equal carry no GRPO signal: they are
     dropped and more prompts are sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
@@ -101,8 +109,14 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
         tasks = sample_train_tasks(envs, cfg.envs, want, step_seed(cfg.seed, step, 10 * r + 1))
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_tokens=cfg.rollout.max_tokens, seed=step_seed(cfg.seed, step, 10 * r + 2))
-        trajs = run_episodes(engine, envs, tasks, tokenizer, cfg.rollout.agent, params,
-                             step_seed(cfg.seed, step, 10 * r + 3), judge_weight=cfg.rollout.judge_weight)
+        seed = step_seed(cfg.seed, step, 10 * r + 3)
+        if isinstance(engine, RayEngine):
+            trajs, stats = engine.play(tasks, params, seed, judge_weight=cfg.rollout.judge_weight)
+            dispatch_metrics = stats.metrics()
+        else:
+            trajs = run_episodes(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, seed,
+                                 judge_weight=cfg.rollout.judge_weight)
+            dispatch_metrics = {}
         groups = [trajs[i:i + G] for i in range(0, len(trajs), G)]                     # group-major
         if cfg.algo.dynamic_sampling:
             kept += [g for g in groups if len({t.reward for t in g}) > 1]
@@ -112,7 +126,7 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
             break
     if not kept:                                     # nothing informative: keep the last round, skip_uniform decides
         kept = groups
-    return [t for g in kept[:want] for t in g], rounds
+    return [t for g in kept[:want] for t in g], rounds, dispatch_metrics
 
 
 def build_engine(cfg: Config, model_dir: str, engine_model, weights: dict | None, pad_id: int):
@@ -126,6 +140,38 @@ def build_engine(cfg: Config, model_dir: str, engine_model, weights: dict | None
                             max_num_seqs=r.max_batch_size, gpu_memory_utilization=r.gpu_memory_utilization)
     else:
         engine = TorchEngine(engine_model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
+    if weights is not None:
+        engine.update_weights(weights)
+    return engine
+
+
+def start_ray_engine(cfg: Config, model_dir: str, envs: dict, weights: dict | None) -> RayEngine:
+    """ray.rollout_workers RolloutWorkers (and ray.env_workers EnvWorkers) on the Ray cluster at ray.address, or on
+    a local one started here, then `weights` pushed when the learner is not the base model (see build_engine)."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("ray.rollout_workers > 0 needs Ray installed (pip install 'ray>=2.60'), or set "
+                           "ray.rollout_workers=0 to play the episodes in this process") from None
+    owns_cluster = not ray.is_initialized()       # a test, or a script, may have started it already
+    if owns_cluster:
+        ray.init(address=cfg.ray.address or None, include_dashboard=False)
+    r, rc = cfg.ray, cfg.rollout
+    engine_kwargs = {"max_batch_size": rc.max_batch_size}
+    if rc.engine == "vllm":
+        engine_kwargs = dict(seed=cfg.seed, cache_dir=cfg.model.cache_dir, max_num_seqs=rc.max_batch_size,
+                             max_model_len=rc.agent.max_total_tokens + max(rc.max_tokens, rc.sync_check_tokens),
+                             gpu_memory_utilization=rc.gpu_memory_utilization)
+    spec = WorkerSpec(model_dir=os.path.abspath(model_dir), envs=[(e.name, e.kwargs) for e in cfg.envs],
+                      agent=rc.agent, engine=rc.engine, engine_kwargs=engine_kwargs, dtype=cfg.model.dtype,
+                      threads=max(1, int(r.cpus_per_worker)))
+    pg = make_placement_group(r.rollout_workers, r.cpus_per_worker, r.gpus_per_worker, r.placement_strategy)
+    workers = start_rollout_workers(spec, r.rollout_workers, pg)
+    env_workers = start_env_workers(envs, spec.model_dir, r.env_workers, r.cpus_per_env_worker)
+    engine = RayEngine(workers, env_workers, pg, r.dispatcher, r.chunk_groups, r.max_in_flight, rc.agent,
+                       owns_cluster)
+    if env_workers:
+        ray.get([w.use_env_workers.remote(env_workers) for w in workers])
     if weights is not None:
         engine.update_weights(weights)
     return engine
@@ -208,7 +254,8 @@ def main(cfg: Config) -> dict:
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
         critic_state = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
     # --- LoRA and sharding (learner.py): the engine, the reference and the critic get the plain base model
-    engine_model = copy.deepcopy(model).eval() if is_main() and cfg.rollout.engine == "torch" else None
+    in_process = is_main() and cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers
+    engine_model = copy.deepcopy(model).eval() if in_process else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
@@ -226,8 +273,11 @@ def main(cfg: Config) -> dict:
     weights = merged_state_dict(state.model) if cfg.resume or cfg.learner.lora_rank else None
     engine = envs = eval_tasks = None
     if is_main():
-        engine = build_engine(cfg, model_dir, engine_model, weights, pad_id)
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
+        if cfg.ray.rollout_workers:               # the episodes are played by Ray workers, each with its own engine
+            engine = start_ray_engine(cfg, model_dir, envs, weights)
+        else:
+            engine = build_engine(cfg, model_dir, engine_model, weights, pad_id)
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     agent_cfg = cfg.rollout.agent
     G = agent_cfg.n_samples
@@ -236,7 +286,12 @@ def main(cfg: Config) -> dict:
         params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
                                 max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
         t0 = time.time()
-        m, trajs = evaluate(engine, envs, eval_tasks, tokenizer, agent_cfg, params, cfg.eval_seed)
+        if isinstance(engine, RayEngine):             # one episode per held-out task, no judge, as evaluate() plays
+            trajs, _ = engine.play([t for name in eval_tasks for t in eval_tasks[name]], params, cfg.eval_seed,
+                                   agent=replace(agent_cfg, n_samples=1))
+            m = eval_metrics(eval_tasks, trajs)
+        else:
+            m, trajs = evaluate(engine, envs, eval_tasks, tokenizer, agent_cfg, params, cfg.eval_seed)
         dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
         return {**m, "perf/eval_seconds": time.time() - t0}
 
@@ -264,7 +319,7 @@ def main(cfg: Config) -> dict:
     # async (one-step off-policy): `pending` is the next step's rollouts, generated in a background thread
     # while the learner trains; `version` of a batch = the RL steps its weights had taken (staleness: see below)
     pool = ThreadPoolExecutor(max_workers=1) if cfg.rollout.async_rollouts and is_main() else None
-    pending = None                                 # (trajs, rounds, seconds, version) ready for the next step
+    pending = None                   # (trajs, rounds, dispatch metrics, seconds, version) ready for the next step
     if cfg.resume and pool is not None and os.path.exists(os.path.join(cfg.resume, PENDING)):
         with open(os.path.join(cfg.resume, PENDING), "rb") as f:
             pending = pickle.load(f)
@@ -285,16 +340,17 @@ def main(cfg: Config) -> dict:
         batch, metrics, future = None, {}, None
         if is_main():
             if pending is None:
-                trajs, rounds = collect_rollouts(cfg, engine, envs, tokenizer, step)
+                trajs, rounds, dispatch_metrics = collect_rollouts(cfg, engine, envs, tokenizer, step)
                 version, t_gen = step - 1, time.time() - t0
             else:                                  # async: generated in the background during the last update
-                (trajs, rounds, t_gen, version), pending = pending, None
+                (trajs, rounds, dispatch_metrics, t_gen, version), pending = pending, None
             if pool is not None and step < cfg.steps:   # the next batch, from the current (pre-update) weights
                 future = pool.submit(timed, collect_rollouts, cfg, engine, envs, tokenizer, step + 1)
             batch = to_batch(trajs, pad_id)
             # staleness: updates between the weights that sampled the batch and those it trains (0 on-policy;
             # 1 in async mode, where every sample of a batch comes from the same weights)
-            metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds, "rollout/staleness": step - 1 - version}
+            metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds, **dispatch_metrics,
+                       "rollout/staleness": step - 1 - version}
         batch = broadcast_object(batch)
         t_rollout = time.time() - t0
 
@@ -348,7 +404,7 @@ def main(cfg: Config) -> dict:
         t_train = time.time() - t1
         if future is not None:                     # the engine must finish the next batch before the push
             t_wait = time.time()
-            pending = (*future.result(), step - 1)   # (trajs, rounds, seconds) + the weights' version
+            pending = (*future.result(), step - 1)   # collect_rollouts' result, its seconds, the weights' version
             metrics["perf/rollout_wait_seconds"] = time.time() - t_wait  # rollout time the update did not hide
 
         # --- push the new weights to the engine, then the weight-sync gate: the engine continues a few of this
@@ -358,6 +414,8 @@ def main(cfg: Config) -> dict:
             engine.wake_up()
             if updated:
                 engine.update_weights(weights)
+                if isinstance(engine, RayEngine):
+                    metrics["dispatch/push_seconds"] = engine.push_seconds
         if cfg.rollout.sync_check_samples:
             probe = None
             if is_main():                              # rank 0 samples with the engine ...
@@ -394,6 +452,8 @@ def main(cfg: Config) -> dict:
     if pool is not None:
         pool.shutdown()
     logger.finish()
+    if isinstance(engine, RayEngine):
+        engine.shutdown()
     if not is_main():
         cleanup_distributed()
         return {"run_dir": run_dir}
