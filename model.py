@@ -338,18 +338,21 @@ def init_model(cfg: ModelConfig, seed: int) -> Transformer:
     return model
 
 
+def safetensors_files(path) -> list[str]:
+    """The weight files of a Hugging Face folder: model.safetensors, or the shards its index lists."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return ["model.safetensors"]
+    with open(index) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))
+
+
 def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
     """Load config.json plus model.safetensors, or the shards listed in model.safetensors.index.json."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = ModelConfig.from_hf(json.load(f))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     state = {}
-    for file in files:
+    for file in safetensors_files(path):
         state.update(load_file(os.path.join(path, file), device=str(device)))
     state = {k: v.to(dtype) for k, v in state.items()}
     if cfg.tie_word_embeddings:

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from agent import (AgentConfig, Generation, SamplingParams, StepResult, Trajectory, finish_episodes, init_episodes,
                    play_episodes, run_episodes, step_envs)
 from env import Action, Env, Task
-from model import KVCache, Transformer
+from model import KVCache, Transformer, safetensors_files
 
 
 def sample_tokens(logits, temperature: float, top_p: float, generator=None):
@@ -359,14 +359,8 @@ class VLLMEngine:
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple]:
     """{HF name: shape} of every tensor in a model folder, from the safetensors headers (nothing is loaded)."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     shapes = {}
-    for file in files:
+    for file in safetensors_files(model_dir):
         with safe_open(os.path.join(model_dir, file), "pt") as st:
             shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
     return shapes
