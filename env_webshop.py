@@ -7,6 +7,11 @@ has a category (t-shirt, shoes, mug, backpack, lamp, ...), a color and a materia
 subset of its values (size S M L; socks also come in packs of 2 3 6; lamps have a light: warm cool
 daylight). About 80% of the color x material x category titles exist; 75% of those also have a pricier
 "twin" with the same title. Products are numbered B000, B001, ... in shuffled order, so an id says nothing.
+Session ids (session_ids=True, the default): each task's pages show the products under ids of its own, a
+permutation of B000, B001, ... drawn from the task's id, as a catalog too big to learn by heart would. A
+small catalog's fixed ids can be memorised instead of read: a tiny model trained on fixed ids clicks the id
+it remembers for a title and fails on every title it was not trained on. Shown ids are what shop_click
+takes; the purchase record keeps the catalog id. session_ids=False shows the catalog ids themselves.
 
 The task. "Buy: red cotton t-shirt, size M, under $20." The target is the cheaper product of a title
 (never a twin), the options are values it offers, the limit is the next multiple of 5 above its price
@@ -158,12 +163,19 @@ def search(catalog: tuple[Product, ...], query: str) -> list[Product]:
     return [p for _, p in ranked[:RESULTS_PER_PAGE]]
 
 
-def result_line(p: Product) -> str:
-    return f"[{p.id}] {p.title} ${p.price}"
+def session_ids(n: int, key: str) -> tuple[str, ...]:
+    """The ids a session shows for the n products of a catalog (in catalog order): B000 .. shuffled by `key`."""
+    ids = [f"B{i:03d}" for i in range(n)]
+    random.Random(f"webshop_lite/session/{key}").shuffle(ids)   # a str seed: the same in every process
+    return tuple(ids)
 
 
-def product_page(p: Product, selected: tuple[tuple[str, str], ...]) -> str:
-    lines = [f"{result_line(p)}, rating {p.rating:.1f}"] + [f"{opt}: {' '.join(vs)}" for opt, vs in p.options]
+def result_line(p: Product, shown: str) -> str:
+    return f"[{shown}] {p.title} ${p.price}"
+
+
+def product_page(p: Product, shown: str, selected: tuple[tuple[str, str], ...]) -> str:
+    lines = [f"{result_line(p, shown)}, rating {p.rating:.1f}"] + [f"{opt}: {' '.join(vs)}" for opt, vs in p.options]
     if selected:
         lines.append("selected: " + ", ".join(f"{opt} {v}" for opt, v in selected))
     return "\n".join(lines)
@@ -217,6 +229,7 @@ class ShopState(EnvState):
     history: tuple[View, ...] = ()                     # the pages before it, oldest first (what shop_back pops)
     idle_turns: int = 0                                # messages with no readable tool call (plain text, or a call
                                                        # too broken to parse): each an invalid action
+    shown: tuple[str, ...] = ()                        # the id shown for each product (catalog order); (): its own
 
 
 def _goto(state: ShopState, view: View) -> ShopState:
@@ -242,21 +255,21 @@ def shop_search(env, state, query):
     if not words(query):
         return _error(state, "the query has no words.")
     view = View("results", tuple(p.id for p in search(env.catalog, query)))
-    return _goto(state, view), env.page_text(view), None
+    return _goto(state, view), env.page_text(view, state.shown), None
 
 
 @tool("shop_click", "Open a listed product.", _ITEM, bounded=True)
 def shop_click(env, state, item):
-    """Open the product `item` (an id, with or without brackets, or a title) listed on the results page."""
+    """Open the product `item` (a shown id, with or without brackets, or a title) listed on the results page."""
     if state.view.page != "results":
         return _error(state, "no results here: search first.")
     key = item.strip().strip("[]").strip().lower()
     listed = [env.products[i] for i in state.view.results]
-    hit = next((p for p in listed if key in (p.id.lower(), p.title)), None)
+    hit = next((p for p in listed if key in (env.shown_id(state.shown, p.id).lower(), p.title)), None)
     if hit is None:
         return _error(state, f"{item[:40]!r} is not listed here.")
     view = View("product", product=hit.id)
-    return _goto(state, view), env.page_text(view), None
+    return _goto(state, view), env.page_text(view, state.shown), None
 
 
 @tool("shop_select", "Choose an option.", _OPTION, bounded=True)
@@ -281,7 +294,7 @@ def shop_back(env, state):
     if not state.history:
         return _error(state, "there is no previous page.")
     view = state.history[-1]
-    return replace(state, view=view, history=state.history[:-1]), env.page_text(view), None
+    return replace(state, view=view, history=state.history[:-1]), env.page_text(view, state.shown), None
 
 
 @tool("shop_buy", "Buy the open product.", _NONE, bounded=True)
@@ -304,14 +317,16 @@ class WebShopLiteEnv(Env):
     """Find and buy the product an instruction describes (module docstring: world, reward, split, expert)."""
     tool_names = ("shop_search", "shop_click", "shop_select", "shop_back", "shop_buy")
 
-    def __init__(self, catalog_seed: int = 0, max_steps: int = 7):
+    def __init__(self, catalog_seed: int = 0, max_steps: int = 7, session_ids: bool = True):
         if max_steps < 1:
             raise ValueError("max_steps must be at least 1")
         self.catalog_seed = catalog_seed                 # which generated catalog (tasks name it in their meta)
         self.max_steps = max_steps                       # turns per episode; at this one, nothing bought ends it
                                                          # (the expert needs 5 where a product has two options)
+        self.session_ids = session_ids                   # each task shows its own ids (module docstring)
         self.catalog = make_catalog(catalog_seed)        # every product, by id
         self.products = {p.id: p for p in self.catalog}  # id -> product
+        self.index = {p.id: i for i, p in enumerate(self.catalog)}  # id -> its place in the catalog (and in shown)
         self._tasks = {"train": [], "test": []}          # every task of each split, in catalog order
         cheapest = {}                                    # title -> its target: the cheaper of a title's products
         for p in self.catalog:
@@ -346,12 +361,16 @@ class WebShopLiteEnv(Env):
         random.Random(seed).shuffle(space)
         return space[:n]
 
-    def page_text(self, view: View) -> str:
-        """The observation of a page."""
+    def shown_id(self, shown: tuple[str, ...], product_id: str) -> str:
+        """The id a session (`shown`, ShopState.shown) shows for a product; () shows the catalog id."""
+        return shown[self.index[product_id]] if shown else product_id
+
+    def page_text(self, view: View, shown: tuple[str, ...] = ()) -> str:
+        """The observation of a page, with the ids of a session (`shown`, ShopState.shown)."""
         if view.page == "results":
-            return "\n".join(result_line(self.products[i]) for i in view.results) or "No results."
+            return "\n".join(result_line(self.products[i], self.shown_id(shown, i)) for i in view.results) or "No results."
         if view.page == "product":
-            return product_page(self.products[view.product], view.selected)
+            return product_page(self.products[view.product], self.shown_id(shown, view.product), view.selected)
         return "Home page: search for products."
 
     def reset(self, task: Task, seed: int) -> tuple[ShopState, list[dict]]:
@@ -359,7 +378,8 @@ class WebShopLiteEnv(Env):
             raise ValueError(f"task {task.id!r} is for catalog {task.meta.get('catalog_seed')!r}, "
                              f"not {self.catalog_seed}")
         _, messages = super().reset(task, seed)
-        return ShopState(task=task), messages
+        shown = session_ids(len(self.catalog), task.id) if self.session_ids else ()
+        return ShopState(task=task, shown=shown), messages
 
     def step(self, state: ShopState, action: Action) -> tuple[ShopState, list[dict], float, bool, dict]:
         """Env.step, plus the step limit (reward 0) and the episode's metrics on its final step."""
@@ -409,7 +429,7 @@ class WebShopLiteEnv(Env):
             pick = listed[0] if listed else None
         if pick is None:
             raise RuntimeError(f"no listed product fits {task.id}: {task.prompt!r}")
-        state = act(state, "shop_click", item=pick.id)
+        state = act(state, "shop_click", item=self.shown_id(state.shown, pick.id))
         for opt, values in pick.options:   # the careless pick may lack the asked value: it takes the first
             asked = goal["options"][opt]
             state = act(state, "shop_select", option=asked if asked in values else values[0])
@@ -428,7 +448,7 @@ class WebShopLiteEnv(Env):
         if name == "shop_search":
             arguments = {"query": " ".join(rng.sample(prompt_words, rng.randint(1, 3)))}
         elif name == "shop_click":
-            arguments = {"item": rng.choice(view.results or tuple(self.products))}
+            arguments = {"item": self.shown_id(state.shown, rng.choice(view.results or tuple(self.products)))}
         elif name == "shop_select":
             values = [v for _, vs in self.products[view.product].options for v in vs] if view.page == "product" else []
             arguments = {"option": rng.choice(values or prompt_words)}

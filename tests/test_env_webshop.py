@@ -7,6 +7,7 @@ expected observations and rewards below are written out by hand, not computed by
 """
 import json
 import random
+import re
 
 import pytest
 
@@ -39,9 +40,10 @@ def shop():
 
 @pytest.fixture
 def hand():
-    """A real env whose catalog is HAND (the env reads products only through these two attributes)."""
-    e = ws.WebShopLiteEnv(max_steps=20)
-    e.catalog, e.products = HAND, {p.id: p for p in HAND}
+    """A real env whose catalog is HAND (the env reads products only through these attributes), showing
+    the catalog ids (session_ids=False) so that pages can be written out by hand."""
+    e = ws.WebShopLiteEnv(max_steps=20, session_ids=False)
+    e.catalog, e.products, e.index = HAND, {p.id: p for p in HAND}, {p.id: i for i, p in enumerate(HAND)}
     return e
 
 
@@ -252,6 +254,39 @@ def test_invalid_actions_are_error_observations_that_change_nothing(hand):
     assert done and reward == 2 / 4 and info["metrics"]["invalid_actions"] == 7 + 3 + 2
 
 
+def test_session_ids_are_the_tasks_own_and_only_they_click(shop):
+    """Each task shows the catalog under its own ids (the same on every reset); the purchase record keeps
+    the catalog id; an id shown in another task's session opens nothing (or another product)."""
+    a, b = shop.sample_tasks("train", 2, seed=0)
+    (sa, _), (sb, _) = shop.reset(a, seed=0), shop.reset(b, seed=5)
+    assert sa.shown == shop.reset(a, seed=9)[0].shown and sa.shown != sb.shown
+    assert sorted(sa.shown) == [p.id for p in shop.catalog]            # a permutation of the catalog's ids
+    title = f"{a.meta['color']} {a.meta['material']} {a.meta['category']}"
+    sa, obs, *_ = act(shop, sa, "shop_search", query=title)
+    sb, obs_b, *_ = act(shop, sb, "shop_search", query=title)
+    shown_a = re.findall(r"\[(B\d{3})\]", obs[0]["content"])
+    unnamed = [re.sub(r"\[B\d{3}\]", "[]", o[0]["content"]) for o in (obs, obs_b)]
+    assert unnamed[0] == unnamed[1] and obs != obs_b                  # the same products under other ids
+    assert shown_a == [shop.shown_id(sa.shown, i) for i in sa.view.results] != list(sa.view.results)
+    target = shown_a[[shop.products[i].id for i in sa.view.results].index(a.meta["target"])]
+    if target != a.meta["target"]:                                     # the catalog id is not what is shown
+        after, wrong, *_ = act(shop, sa, "shop_click", item=a.meta["target"])
+        assert wrong[0]["content"].startswith("Error") or after.view.product != a.meta["target"]
+    sa, page, *_ = act(shop, sa, "shop_click", item=target)
+    assert sa.view.product == a.meta["target"] and page[0]["content"].startswith(f"[{target}] {title}")
+    for opt, v in a.meta["options"].items():
+        sa, *_ = act(shop, sa, "shop_select", option=v)
+    sa, _, reward, done, _ = act(shop, sa, "shop_buy")
+    assert (reward, done, json.loads(sa.answer)["id"]) == (1.0, True, a.meta["target"])
+    fixed = ws.WebShopLiteEnv(session_ids=False)
+    assert fixed.reset(a, seed=0)[0].shown == () and fixed.page_text(sa.view) == product_page_of(fixed, sa)
+
+
+def product_page_of(e, state) -> str:
+    p = e.products[state.view.product]
+    return ws.product_page(p, p.id, state.view.selected)
+
+
 def test_no_search_results_is_a_page_not_an_error(hand):
     state, _ = hand.reset(red_tee(hand), seed=0)
     state, obs, _, _, info = act(hand, state, "shop_search", query="purple lamp")
@@ -259,8 +294,8 @@ def test_no_search_results_is_a_page_not_an_error(hand):
 
 
 def test_step_limit_ends_the_episode_with_reward_zero(hand):
-    e = ws.WebShopLiteEnv(max_steps=3)
-    e.catalog, e.products = hand.catalog, hand.products
+    e = ws.WebShopLiteEnv(max_steps=3, session_ids=False)
+    e.catalog, e.products, e.index = hand.catalog, hand.products, hand.index
     state, _ = e.reset(red_tee(e), seed=0)
     for turn in (1, 2):
         state, _, reward, done, info = act(e, state, "shop_search", query="red")
