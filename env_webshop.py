@@ -23,7 +23,7 @@ Actions are tools (TOOLS names are global, hence the prefix):
   shop_search(query)  the 5 best products for the query, one line each: "[B017] red cotton t-shirt $18".
                       Ranking: how many distinct query words are title words, ties broken by rating (best
                       first), then id. No pagination: another search is how one sees other products.
-  shop_click(item)    open a listed product (its id, or a title shown, meaning the first line with it):
+  shop_click(item)    open a listed product (the id the page shows, or a title shown, meaning the first line with it):
                       "[B017] red cotton t-shirt $18, rating 4.3" then one line per option: "size: S M L".
   shop_select(option) choose an option value of the open product: "M" (or "size: M", "size M").
   shop_back()         show the page before again, as it was left (leaving a product page drops its selections).
