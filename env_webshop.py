@@ -368,7 +368,8 @@ class WebShopLiteEnv(Env):
     def page_text(self, view: View, shown: tuple[str, ...] = ()) -> str:
         """The observation of a page, with the ids of a session (`shown`, ShopState.shown)."""
         if view.page == "results":
-            return "\n".join(result_line(self.products[i], self.shown_id(shown, i)) for i in view.results) or "No results."
+            lines = [result_line(self.products[i], self.shown_id(shown, i)) for i in view.results]
+            return "\n".join(lines) or "No results."
         if view.page == "product":
             return product_page(self.products[view.product], self.shown_id(shown, view.product), view.selected)
         return "Home page: search for products."
