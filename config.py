@@ -346,7 +346,9 @@ def _merge(base: dict, patch: dict, prefix: str):
 
 
 def _merge_value(old, new, key: str):
-    if isinstance(old, dict) and isinstance(new, dict) and not key.endswith("kwargs"):
+    if isinstance(old, dict) and isinstance(new, dict) and key.endswith("kwargs"):
+        return {**old, **new}    # an env's own knobs: free-form (no key check), and a later one keeps the others
+    if isinstance(old, dict) and isinstance(new, dict):
         _merge(old, new, key + ".")
         return old
     if isinstance(old, list) and isinstance(new, dict):   # 'envs.0.weight=2' patches one list entry

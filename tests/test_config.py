@@ -41,6 +41,14 @@ def test_env_list(tmp_path):
         load_config(str(p))
 
 
+def test_env_kwargs_overrides_add_to_each_other_and_to_the_file(tmp_path):
+    """`envs.0.kwargs.k=v` sets one knob: the file's other knobs and earlier overrides stay."""
+    path = tmp_path / "c.yaml"
+    path.write_text("envs:\n  - name: alfworld_lite\n    kwargs: {kinds: [heat], max_storage: 4}\n")
+    cfg = load_config(str(path), ["envs.0.kwargs.min_storage=2", "envs.0.kwargs.max_storage=3"])
+    assert cfg.envs[0].kwargs == {"kinds": ["heat"], "min_storage": 2, "max_storage": 3}
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
 def test_shipped_configs_load(path):
     load_config(path)
