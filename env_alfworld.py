@@ -10,6 +10,9 @@ stands at one place at a time and holds at most one object. Commands, as in ALFW
 Every observation is what happened plus the admissible commands, listed compactly as
 "Admissible: <commands here>; go to: <places>". Anything else (not admissible, misspelled, plain text
 without a tool call) is the observation "Nothing happens." and counts as an invalid action.
+With restate_goal=True every observation also ends with the task line ("Task: put a cool tomato on
+sidetable 1."), as some agent harnesses repeat the goal: a small model then need not find it ~500 tokens
+back, which it otherwise does poorly, replacing a held-out goal with one it trained on.
 
 Six task types: pick_and_place ("put an apple in fridge 1"), clean ("put a clean mug on shelf 1": clean
 it at the sink first), heat (microwave), cool (fridge), examine ("look at the book under desklamp 1":
@@ -252,7 +255,7 @@ def act(state: HouseState, command: str) -> tuple[HouseState, str]:
 def house_act(env, state, command):
     """Play `command` in the household (act); never an error kind: a bad command is an observation."""
     new_state, text = act(state, command)
-    return new_state, text, None
+    return new_state, env.with_goal(new_state, text), None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,7 +367,7 @@ class AlfworldLiteEnv(Env):
     tool_names = ("house_act",)
 
     def __init__(self, kinds: tuple[str, ...] = KINDS, min_storage: int = 3, max_storage: int = 5,
-                 tool_timeout: float = 2.0):
+                 restate_goal: bool = False, tool_timeout: float = 2.0):
         unknown = [k for k in kinds if k not in KIND_OBJECTS]
         if unknown or not kinds:
             raise ValueError(f"unknown kinds {unknown}; choose from {list(KINDS)}")
@@ -373,6 +376,7 @@ class AlfworldLiteEnv(Env):
         self.kinds = tuple(kinds)          # task types to draw from, uniformly
         self.min_storage = min_storage     # storage receptacles per room, at least ...
         self.max_storage = max_storage     # ... and at most (more means longer searches)
+        self.restate_goal = restate_goal   # end every observation with the task line (the prompt's first line)
         self.tool_timeout = tool_timeout   # seconds per tool call (house_act returns at once)
 
     def system_prompt(self) -> str:
@@ -386,6 +390,12 @@ class AlfworldLiteEnv(Env):
         prompt = (f"Task: {goal_text(scene)}.\nYou are in the middle of the room.\n"
                   f"{show_admissible(initial_state(task))}")
         return replace(task, prompt=prompt)
+
+    def with_goal(self, state: HouseState, text: str) -> str:
+        """restate_goal: the observation, then "Task: ...", so the goal sits next to the admissible commands
+        the agent picks from (a small model loses it ~500 tokens back; a held-out goal then turns into one
+        it saw in training). Nothing is added to the observation that ends the episode."""
+        return f"{text}\nTask: {goal_text(state.scene)}." if self.restate_goal and not state.done else text
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
@@ -423,8 +433,8 @@ class AlfworldLiteEnv(Env):
     def on_text(self, state: HouseState, text: str) -> tuple[HouseState, list[dict], float, bool, dict]:
         """A message without a tool call does nothing in the world: an invalid action, not an answer."""
         state = replace(state, invalid_actions=state.invalid_actions + 1, steps=state.steps + 1)
-        return state, [tool_message("house_act", f"Nothing happens. Use house_act.\n{show_admissible(state)}")], \
-            0.0, False, {}
+        text = self.with_goal(state, f"Nothing happens. Use house_act.\n{show_admissible(state)}")
+        return state, [tool_message("house_act", text)], 0.0, False, {}
 
     def score(self, task: Task, answer: str | None) -> float:
         return 1.0 if answer == SUCCESS else 0.0

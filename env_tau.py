@@ -46,11 +46,16 @@ training tasks; every user of a task's database is drawn from the task's split.
 
 Expert (demonstration, use_tools=True): ask name and zip, find_user, ask for the order (and item,
 colour or address), get_order (or list_orders when the customer does not know the id), the write (or
-none), tell the required information; 5-6 turns. use_tools=False is a weaker habit: for a cancel
-request with a known order id it calls cancel_order without reading the order first (one turn less on
-a pending order; on a delivered one the call is refused, a policy violation, and the error tells the
-status, which it then relays), so it still succeeds. The optional rule-based judge (judge="rules", training only)
-penalises exactly that habit.
+none), tell the required information; 5-6 turns. use_tools=False is a weaker habit, chosen by the
+weaker_demo knob (WEAKER_DEMOS); both still succeed when played out without a turn limit:
+  "careless" (default): for a cancel request with a known order id it calls cancel_order without reading
+    the order first (one turn less on a pending order; on a delivered one the call is refused, a policy
+    violation, and the error tells the status, which it then relays). The optional rule-based judge
+    (judge="rules", training only) penalises exactly that habit.
+  "one_question": it asks for one detail per message ("What is your name?", "What is your zip code?",
+    "Which order id?", "Which item?", "Which new color?"): 6-9 turns where the expert needs 5-6. Under a
+    max_turns of 6 it fails every cancel, return and exchange (and the impossible returns), a choice RL can
+    see in the reward.
 """
 import hashlib
 import json
@@ -441,6 +446,15 @@ def make_task(rng: random.Random, split: str, kind: str, know_id_prob: float) ->
 # ----------------------------------------------------------------------------------------------------
 # The env
 
+# The habit of the weaker demonstrations (demonstration(use_tools=False), sft.tool_use_prob sets their share).
+# Both earn reward 1 when played out; they differ in what they cost the policy that copies them:
+WEAKER_DEMOS = {
+    "careless": "cancel_order without reading the order first: one turn less on a pending order; on a delivered "
+                "one the refusal (a policy violation) tells the status, which it relays",
+    "one_question": "one detail per message (name, zip, order id, item, colour each asked alone): 1-3 turns more "
+                    "than the expert (6-9 instead of 5-6), so a max_turns of 6 cuts cancels, returns (possible or not) "
+                    "and exchanges",
+}
 RANDOM_LINES = ("Please give me your name and zip code.", "Which order id?", "Which item?", "What is the new address?",
                 "Your order is pending.", "Your order is delivered.", "Refund $20.", "Goodbye.")
 
@@ -450,7 +464,8 @@ class TauEnv(Env):
     """Retail customer service with a scripted customer; see the module docstring."""
     tool_names = TOOL_NAMES
 
-    def __init__(self, kinds: tuple[str, ...] = KINDS, know_id_prob: float = 0.7, judge: str | None = None):
+    def __init__(self, kinds: tuple[str, ...] = KINDS, know_id_prob: float = 0.7, judge: str | None = None,
+                 weaker_demo: str = "careless"):
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
             raise ValueError(f"unknown kinds {unknown}; choose from {list(KINDS)}")
@@ -458,9 +473,12 @@ class TauEnv(Env):
             raise ValueError(f"judge must be None or 'rules', not {judge!r}")
         if not 0.0 <= know_id_prob <= 1.0:
             raise ValueError("know_id_prob must be in [0, 1]")
+        if weaker_demo not in WEAKER_DEMOS:
+            raise ValueError(f"weaker_demo must be one of {list(WEAKER_DEMOS)}, not {weaker_demo!r}")
         self.kinds = tuple(kinds)          # intents drawn uniformly
         self.know_id_prob = know_id_prob   # share of customers who know their order id (others: list_orders)
         self.judge_kind = judge            # None: no judge; "rules": the rule-based judge (training only)
+        self.weaker_demo = weaker_demo     # the habit of demonstration(use_tools=False), see WEAKER_DEMOS
 
     def system_prompt(self) -> str:
         return ("You are a shop support agent. Verify the user with find_user before reading or changing "
@@ -518,21 +536,28 @@ class TauEnv(Env):
             return replace(state, done=True), [_user("Bye.")], 0.0, True, {}
         return state, [_user(user_reply(state.task.meta, text))], 0.0, False, {}
 
-    def expert_script(self, task: Task, look_first: bool) -> list[Action]:
+    def expert_script(self, task: Task, look_first: bool, one_question: bool = False) -> list[Action]:
         """The expert's assistant turns, from the hidden intent (the model has to read the same facts off
-        the customer's replies and the observations)."""
+        the customer's replies and the observations). look_first=False: cancel without reading the order;
+        one_question=True: ask for one detail per message (the two weaker habits, WEAKER_DEMOS)."""
         meta = task.meta
         db, kind, oid = db_from_json(meta["db"]), meta["kind"], meta["order_id"]
         say = lambda text: Action(text=text)                                          # noqa: E731
         call = lambda tool_name, **args: Action(text="", tool_calls=(ToolCall(tool_name, args),))  # noqa: E731
-        script = [say("Please give me your name and zip code."),
-                  call("find_user", name=meta["name"], zip=meta["zip"])]
+        asks = [say("What is your name?"), say("What is your zip code?")] if one_question else \
+            [say("Please give me your name and zip code.")]
+        script = asks + [call("find_user", name=meta["name"], zip=meta["zip"])]
         if kind == "address":
             return script + [say("What is the new address?"),
                              call("update_address", user_id=meta["user_id"], address=meta["new_address"]),
                              say(f"Your address is now {meta['new_address']}.")]
-        question = {"return": "Which order id and item?", "exchange": "Which order id, item and new color?"}
-        script.append(say(question.get(meta["wants"], "Which order id?")))
+        if one_question:
+            script += [say(q) for q in {"return": ("Which order id?", "Which item?"),
+                                        "exchange": ("Which order id?", "Which item?", "Which new color?")
+                                        }.get(meta["wants"], ("Which order id?",))]
+        else:
+            question = {"return": "Which order id and item?", "exchange": "Which order id, item and new color?"}
+            script.append(say(question.get(meta["wants"], "Which order id?")))
         order = db.order(oid)
         if meta["wants"] == "cancel" and meta["knows_order_id"] and not look_first:
             script.append(call("cancel_order", order_id=oid, reason="no longer needed"))   # the weaker habit
@@ -556,11 +581,15 @@ class TauEnv(Env):
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
         """The expert conversation, played through reset/step (the customer's replies are real). use_tools=False:
-        the weaker habit of cancelling without reading the order first (see the module docstring). `rng` is
-        unused: one path per intent. Raises if the demonstration does not earn reward 1."""
+        the weaker habit self.weaker_demo (WEAKER_DEMOS). `rng` is unused: one path per intent. Raises if the
+        demonstration does not earn reward 1 (with no turn limit: the one_question habit may need more turns
+        than a run's max_turns allows, which is the point of it)."""
         state, messages = self.reset(task, seed=0)
         done, reward = False, 0.0
-        for action in self.expert_script(task, look_first=use_tools):
+        weak = not use_tools
+        script = self.expert_script(task, look_first=not (weak and self.weaker_demo == "careless"),
+                                    one_question=weak and self.weaker_demo == "one_question")
+        for action in script:
             if done:
                 raise RuntimeError(f"the episode of {task.id} ended before the expert script did")
             state, obs, reward, done, _ = self.step(state, action)

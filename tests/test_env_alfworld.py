@@ -193,6 +193,24 @@ def test_text_without_tool_call_is_invalid_not_final(house):
     assert obs[0]["role"] == "tool" and obs[0]["content"].startswith("Nothing happens. Use house_act.\nAdmissible: ")
 
 
+def test_restate_goal_ends_every_observation_but_the_last_with_the_task():
+    goals = make_env("alfworld_lite", restate_goal=True)
+    task, s = room(goals)
+    assert task.prompt == room(make_env("alfworld_lite"))[0].prompt   # the prompt states it already
+    s, text, *_ = do(goals, s, "go to drawer 1")
+    assert text == ("You arrive at drawer 1. It is closed.\nAdmissible: open drawer 1, look, inventory; go to: "
+                    "shelf 1, countertop 1, fridge 1, microwave 1, sinkbasin 1, desklamp 1\n"
+                    "Task: put a clean mug on shelf 1.")
+    s, text, *_ = do(goals, s, "fly away")
+    assert text.startswith("Nothing happens.\n") and text.endswith("\nTask: put a clean mug on shelf 1.")
+    s, obs, *_ = goals.step(s, Action("I give up."))
+    assert obs[0]["content"].endswith("\nTask: put a clean mug on shelf 1.")
+    s, text, reward, done, _ = do(goals, s, "open drawer 1", "take mug 2 from drawer 1", "go to sinkbasin 1",
+                                  "clean mug 2 with sinkbasin 1", "go to shelf 1", "put mug 2 in/on shelf 1")
+    assert (reward, done) == (1.0, True) and goals.with_goal(s, "You put mug 2 in/on shelf 1.") == \
+        "You put mug 2 in/on shelf 1."
+
+
 def test_bad_tool_calls_are_tool_errors(house):
     _, s = room(house)
     s, obs, reward, done, info = house.step(s, Action("", (ToolCall("finish", {"answer": "success"}),)))
@@ -318,10 +336,12 @@ class ReplayEngine:
         return out
 
 
-def test_expert_through_the_agent_loop(house):
-    """The same loop as training (agent.run_episodes), with a BPE tokenizer trained like sft.py's."""
+def test_expert_through_the_agent_loop():
+    """The same loop as training (agent.run_episodes), with a BPE tokenizer trained like sft.py's, in the
+    configured world and budgets."""
     from sft import train_tokenizer
-    cfg = load_config("configs/alfworld_lite.yaml").rollout
+    full = load_config("configs/alfworld_lite.yaml")
+    cfg, house = full.rollout, make_env("alfworld_lite", **full.envs[0].kwargs)
     rng = random.Random(0)
     tok = train_tokenizer([agent.render(house.demonstration(t, rng, True), house.tools())
                            for t in house.sample_tasks("train", 100, seed=0)], 1024)

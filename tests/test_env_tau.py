@@ -310,6 +310,25 @@ def test_weaker_path_cancels_without_looking(tau):
     assert kinds == {"cancel", "impossible"}
 
 
+def test_one_question_habit_asks_alone_and_needs_more_turns():
+    tau1 = make_env("tau_lite", weaker_demo="one_question")
+    extra = {"address": 1, "status": 1, "cancel": 1, "return": 2, "exchange": 3}    # by what the customer wants
+    seen = set()
+    for t in tau1.sample_tasks("train", 120, 0):
+        strong = tau1.demonstration(t, random.Random(0), True)   # both raise unless the episode earns reward 1
+        weak = tau1.demonstration(t, random.Random(0), False)
+        turns = lambda demo: sum(m["role"] == "assistant" for m in demo)   # noqa: E731
+        assert turns(weak) == turns(strong) + extra[t.meta["wants"]]
+        assert weak[2]["content"] == "What is your name?" and weak[3]["content"] == f"My name is {t.meta['name']}."
+        cut = t.meta["kind"] in ("cancel", "return", "exchange") or t.meta["wants"] == "return"
+        assert (turns(weak) > 6) == cut and turns(strong) <= 6
+        assert not any(m["role"] == "tool" and m["content"].startswith("Error") for m in weak)
+        seen.add(t.meta["kind"])
+    assert seen == set(extra) | {"impossible"}
+    with pytest.raises(ValueError, match="weaker_demo"):
+        make_env("tau_lite", weaker_demo="rude")
+
+
 # -----------------------------------------------------------------------------
 # token budget of the config, and the judge
 
