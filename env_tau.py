@@ -446,15 +446,9 @@ def make_task(rng: random.Random, split: str, kind: str, know_id_prob: float) ->
 # ----------------------------------------------------------------------------------------------------
 # The env
 
-# The habit of the weaker demonstrations (demonstration(use_tools=False), sft.tool_use_prob sets their share).
-# Both earn reward 1 when played out; they differ in what they cost the policy that copies them:
-WEAKER_DEMOS = {
-    "careless": "cancel_order without reading the order first: one turn less on a pending order; on a delivered "
-                "one the refusal (a policy violation) tells the status, which it relays",
-    "one_question": "one detail per message (name, zip, order id, item, colour each asked alone): 1-3 turns more "
-                    "than the expert (6-9 instead of 5-6), so a max_turns of 6 cuts cancels, returns (possible or not) "
-                    "and exchanges",
-}
+# The habits of the weaker demonstrations (demonstration(use_tools=False); sft.tool_use_prob sets their share),
+# described in the module docstring.
+WEAKER_DEMOS = ("careless", "one_question")
 RANDOM_LINES = ("Please give me your name and zip code.", "Which order id?", "Which item?", "What is the new address?",
                 "Your order is pending.", "Your order is delivered.", "Refund $20.", "Goodbye.")
 
@@ -478,7 +472,7 @@ class TauEnv(Env):
         self.kinds = tuple(kinds)          # intents drawn uniformly
         self.know_id_prob = know_id_prob   # share of customers who know their order id (others: list_orders)
         self.judge_kind = judge            # None: no judge; "rules": the rule-based judge (training only)
-        self.weaker_demo = weaker_demo     # the habit of demonstration(use_tools=False), see WEAKER_DEMOS
+        self.weaker_demo = weaker_demo     # the habit of demonstration(use_tools=False), one of WEAKER_DEMOS
 
     def system_prompt(self) -> str:
         return ("You are a shop support agent. Verify the user with find_user before reading or changing "
@@ -536,10 +530,10 @@ class TauEnv(Env):
             return replace(state, done=True), [_user("Bye.")], 0.0, True, {}
         return state, [_user(user_reply(state.task.meta, text))], 0.0, False, {}
 
-    def expert_script(self, task: Task, look_first: bool, one_question: bool = False) -> list[Action]:
+    def expert_script(self, task: Task, habit: str | None = None) -> list[Action]:
         """The expert's assistant turns, from the hidden intent (the model has to read the same facts off
-        the customer's replies and the observations). look_first=False: cancel without reading the order;
-        one_question=True: ask for one detail per message (the two weaker habits, WEAKER_DEMOS)."""
+        the customer's replies and the observations); `habit`: None, or one of WEAKER_DEMOS to play instead."""
+        one_question = habit == "one_question"
         meta = task.meta
         db, kind, oid = db_from_json(meta["db"]), meta["kind"], meta["order_id"]
         say = lambda text: Action(text=text)                                          # noqa: E731
@@ -559,7 +553,7 @@ class TauEnv(Env):
             question = {"return": "Which order id and item?", "exchange": "Which order id, item and new color?"}
             script.append(say(question.get(meta["wants"], "Which order id?")))
         order = db.order(oid)
-        if meta["wants"] == "cancel" and meta["knows_order_id"] and not look_first:
+        if meta["wants"] == "cancel" and meta["knows_order_id"] and habit == "careless":
             script.append(call("cancel_order", order_id=oid, reason="no longer needed"))   # the weaker habit
         else:
             script.append(call("get_order", order_id=oid) if meta["knows_order_id"] else
@@ -586,10 +580,7 @@ class TauEnv(Env):
         than a run's max_turns allows, which is the point of it)."""
         state, messages = self.reset(task, seed=0)
         done, reward = False, 0.0
-        weak = not use_tools
-        script = self.expert_script(task, look_first=not (weak and self.weaker_demo == "careless"),
-                                    one_question=weak and self.weaker_demo == "one_question")
-        for action in script:
+        for action in self.expert_script(task, None if use_tools else self.weaker_demo):
             if done:
                 raise RuntimeError(f"the episode of {task.id} ended before the expert script did")
             state, obs, reward, done, _ = self.step(state, action)
