@@ -35,15 +35,10 @@ receptacles in the order the room lists them (skipping the goal receptacle), ope
 the object as soon as it sees it, processes it (sink, microwave, fridge or lamp) and puts it in place;
 two_object fetches the second object the same way. 4 to 12 commands, 7.3 on average; ~400 tokens per
 episode with the BPE tokenizer sft.py trains on these demonstrations (~650 at 12 commands).
-The weaker path (demonstration with use_tools=False) has a habit, chosen by the weaker_demo knob
-(WEAKER_DEMOS); both habits succeed when played out without a turn limit:
-  "wander" (default): it searches every storage receptacle, the goal's included, in a random order, and
-    closes again each one it opened for nothing: ~0.75 more commands on average (up to ~18); its order
-    is no rule a policy can read from the observations, so RL has a systematic search to find.
-  "double_check": the expert's search, but it checks after acting: "inventory" after every take,
-    "examine O" after cleaning, heating or cooling O, "look" after a put that does not end the task.
-    ~1.8 more commands on average (8.6 in rooms of 3, up to 14): under a tight max_turns the checks
-    use up the slack that the agent's own slips need, a habit RL can see in the reward and drop.
+The weaker path (demonstration with use_tools=False) searches every storage receptacle, the goal's
+included, in a random order, and closes again each one it opened for nothing: it succeeds too, in
+~0.75 more commands on average (up to ~18), and its order is no rule a policy can read from the
+observations, so RL has a systematic search to find.
 """
 import hashlib
 import json
@@ -66,7 +61,6 @@ CLOSED_PROB = 0.6             # chance that a cabinet or drawer starts closed
 MAX_EXPERT_TURNS = 12         # scenes whose expert needs more commands are drawn again
 TEST_PERCENT = 20             # share of (kind, object, receptacle type) triples held out; fixed for every config
 SUCCESS = "success"           # the answer house_act records when the goal holds
-WEAKER_DEMOS = ("wander", "double_check")  # habits of demonstration(use_tools=False); see the module docstring
 
 FOOD = ("apple", "bread", "egg", "lettuce", "potato", "tomato")
 WARE = ("bowl", "cup", "knife", "mug", "plate", "spoon")
@@ -364,24 +358,6 @@ def expert_plan(scene: Scene, order: list[str], tidy: bool) -> list[str]:
     raise RuntimeError(f"the expert found only {delivered} of {scene.count} {scene.obj} in {order}")
 
 
-def with_checks(commands: list[str]) -> list[str]:
-    """The double_check habit: after each command but the last, the check a careful person would make
-    ('inventory' after a take, 'examine O' after processing O, 'look' after a put). Checks change nothing."""
-    out = []
-    for i, command in enumerate(commands):
-        out.append(command)
-        verb, words = command.split()[0], command.split()
-        if i == len(commands) - 1:
-            continue
-        if verb == "take":
-            out.append("inventory")
-        elif verb in PROCESS:
-            out.append(f"examine {' '.join(words[1:3])}")
-        elif verb == "put":
-            out.append("look")
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------
 # The env
 
@@ -391,19 +367,16 @@ class AlfworldLiteEnv(Env):
     tool_names = ("house_act",)
 
     def __init__(self, kinds: tuple[str, ...] = KINDS, min_storage: int = 3, max_storage: int = 5,
-                 restate_goal: bool = False, weaker_demo: str = "wander", tool_timeout: float = 2.0):
+                 restate_goal: bool = False, tool_timeout: float = 2.0):
         unknown = [k for k in kinds if k not in KIND_OBJECTS]
         if unknown or not kinds:
             raise ValueError(f"unknown kinds {unknown}; choose from {list(KINDS)}")
         if not 2 <= min_storage <= max_storage <= MAX_PER_TYPE * len(STORAGE_TYPES):
             raise ValueError(f"need 2 <= min_storage <= max_storage <= {MAX_PER_TYPE * len(STORAGE_TYPES)}")
-        if weaker_demo not in WEAKER_DEMOS:
-            raise ValueError(f"weaker_demo must be one of {list(WEAKER_DEMOS)}, not {weaker_demo!r}")
         self.kinds = tuple(kinds)          # task types to draw from, uniformly
         self.min_storage = min_storage     # storage receptacles per room, at least ...
         self.max_storage = max_storage     # ... and at most (more means longer searches)
         self.restate_goal = restate_goal   # end every observation with the task line (the prompt's first line)
-        self.weaker_demo = weaker_demo     # the habit of demonstration(use_tools=False), one of WEAKER_DEMOS
         self.tool_timeout = tool_timeout   # seconds per tool call (house_act returns at once)
 
     def system_prompt(self) -> str:
@@ -468,15 +441,14 @@ class AlfworldLiteEnv(Env):
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
         """The expert conversation, played through step (it raises unless the last command earns 1.0).
-        use_tools=True: the expert (search in listed order). False: the weaker habit self.weaker_demo
-        ("wander": random order, tidy, `rng` draws the order; "double_check": the expert with checks)."""
+        use_tools=True: the expert (search in listed order). False: the weaker path (random order, tidy);
+        `rng` draws that order."""
         scene = Scene.from_meta(task.meta)
-        if use_tools or self.weaker_demo == "double_check":
-            commands = expert_plan(scene, search_order(scene), tidy=False)
-            commands = commands if use_tools else with_checks(commands)
+        if use_tools:
+            order = search_order(scene)
         else:   # every storage receptacle, the goal receptacle included, in a random order
             order = rng.sample([p for p in scene.places if p not in DEVICES], len(scene.places) - len(DEVICES))
-            commands = expert_plan(scene, order, tidy=True)
+        commands = expert_plan(scene, order, tidy=not use_tools)
         state, messages = self.reset(task, seed=0)
         for i, command in enumerate(commands):
             call = ToolCall("house_act", {"command": command})
