@@ -533,6 +533,8 @@ class TauEnv(Env):
     def expert_script(self, task: Task, habit: str | None = None) -> list[Action]:
         """The expert's assistant turns, from the hidden intent (the model has to read the same facts off
         the customer's replies and the observations); `habit`: None, or one of WEAKER_DEMOS to play instead."""
+        if habit is not None and habit not in WEAKER_DEMOS:
+            raise ValueError(f"habit must be None or one of {list(WEAKER_DEMOS)}, not {habit!r}")
         one_question = habit == "one_question"
         meta = task.meta
         db, kind, oid = db_from_json(meta["db"]), meta["kind"], meta["order_id"]

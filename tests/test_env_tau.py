@@ -327,6 +327,8 @@ def test_one_question_habit_asks_alone_and_needs_more_turns():
     assert seen == set(extra) | {"impossible"}
     with pytest.raises(ValueError, match="weaker_demo"):
         make_env("tau_lite", weaker_demo="rude")
+    with pytest.raises(ValueError, match="habit"):
+        tau1.expert_script(t, "one-question")       # a misspelt habit is refused, not played as the expert
 
 
 # -----------------------------------------------------------------------------
