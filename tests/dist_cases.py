@@ -19,6 +19,10 @@ CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediat
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
+TRAIN_LR = 1e-3                  # case_grads' two train_steps: 2 mini-batches x 2 PPO epochs = 4 AdamW steps each
+LORA_LR, LORA_STEPS = 1e-2, 15   # case_lora's SFT
+
+
 def make_batch(B=8, T=12, seed=0) -> TrainBatch:
     """Ragged responses, one row fully masked (same as tests/test_learner.py)."""
     g = torch.Generator().manual_seed(seed)
@@ -47,6 +51,24 @@ def _learner(model, cfg):
     return make_learner(shard_model(model, cfg), cfg, seed=0)
 
 
+def record_gradients(state) -> list:
+    """Before every optimizer step, append the whole (gathered) gradient to the returned list: what the step is
+    given, the quantity that is the same in 1 and N processes up to fp32 summation order (AdamW then amplifies
+    that rounding noise on near-zero gradients, so trained weights agree less tightly than gradients do)."""
+    steps = []
+
+    def hook(optimizer, args, kwargs):
+        grads = []
+        for p in state.model.parameters():
+            if p.requires_grad:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                grads.append((g.full_tensor() if hasattr(g, "full_tensor") else g).flatten())  # sharded: a DTensor
+        steps.append(torch.cat(grads).clone())
+
+    state.optimizer.register_step_pre_hook(hook)
+    return steps
+
+
 def case_grads() -> dict:
     """The first update's gradient for three aggregation modes x three micro-batch sizes, on an 8-row batch
     and a 7-row one (uneven across 2 ranks: one rank runs a dummy micro-batch); the weights after two
@@ -63,8 +85,9 @@ def case_grads() -> dict:
                 state, m = train_step(state, make_batch(B=B), cfg)
                 out[f"grad/B{B}/{agg}/mbs{mbs}"] = first_step_grad(state)
                 out[f"metrics/B{B}/{agg}/mbs{mbs}"] = {k: m[k] for k in ("train/pg_loss", "train/entropy")}
-    cfg = LearnerConfig(lr=1e-3, micro_batch_size=3, mini_batches=2, ppo_epochs=2)
+    cfg = LearnerConfig(lr=TRAIN_LR, micro_batch_size=3, mini_batches=2, ppo_epochs=2)
     state = _learner(copy.deepcopy(base), cfg)
+    out["step_grads"] = record_gradients(state)
     for s in range(2):
         state, m = train_step(state, make_batch(seed=s), cfg)
     sd = full_state_dict(state.model)
@@ -76,16 +99,17 @@ def case_grads() -> dict:
 
 def case_lora() -> dict:
     """LoRA (r=4) SFT on one fixed batch for 15 steps: the losses, the adapters and the merged weights."""
-    cfg = LearnerConfig(lr=1e-2, micro_batch_size=3, grad_clip=1.0)
+    cfg = LearnerConfig(lr=LORA_LR, micro_batch_size=3, grad_clip=1.0)
     model = apply_lora(init_model(CFG, seed=0), rank=4, alpha=8.0, seed=0)
     state = _learner(model, cfg)
+    step_grads = record_gradients(state)
     b = make_batch()
     losses = []
-    for _ in range(15):
+    for _ in range(LORA_STEPS):
         state, m = sft_step(state, b.input_ids, b.loss_mask, cfg)
         losses.append(m["sft/loss"])
     sd = full_state_dict(state.model)
-    return {"losses": losses, "adapters": {k: v.detach().clone() for k, v in sd.items() if "lora_" in k},
+    return {"losses": losses, "step_grads": step_grads, "adapters": {k: v.detach().clone() for k, v in sd.items() if "lora_" in k},
             "merged": {k: v.detach().clone() for k, v in merged_state_dict(state.model).items()},
             "world_size": get_world_size()}
 
