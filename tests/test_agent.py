@@ -20,6 +20,8 @@ from hypothesis import given, settings, strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from conftest import IN_CI, need
+
 import agent
 import env as env_module
 from agent import (CHAT_TEMPLATES, AgentConfig, Generation, SamplingParams, Trajectory, assistant_message,
@@ -102,8 +104,10 @@ RENDER_CASES = {
 
 @pytest.fixture(scope="module")
 def qwen3_template():
-    if QWEN3_TEMPLATE is None:
-        pytest.skip("fixture chat_templates/qwen3.jinja not found")
+    if QWEN3_TEMPLATE is None:   # the real Qwen3 template is an oracle we do not ship; CI has it beside the clone
+        if IN_CI:
+            raise FileNotFoundError("the qwen3 chat template fixture (fixtures/chat_templates/qwen3.jinja) is missing")
+        pytest.skip("the qwen3 chat template fixture (fixtures/chat_templates/qwen3.jinja) is not beside this clone")
     return QWEN3_TEMPLATE.read_text()
 
 
@@ -155,7 +159,7 @@ def test_qwen25_is_stable_and_qwen3_is_not():
 
 
 def test_transformers_apply_chat_template_agrees():
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "the chat-template oracle")
     tok = Tokenizer(models.BPE())
     tok.add_special_tokens(SPECIALS)
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATES["qwen2.5"])

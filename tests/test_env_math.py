@@ -23,6 +23,8 @@ from env import Action, Task, ToolCall, calculate, make_env, split_of
 from env_math import answers_equivalent, extract_reference, last_boxed, to_number
 from eval import play_scripted
 
+from conftest import need
+
 
 @pytest.fixture(scope="module")
 def hard():
@@ -390,7 +392,7 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_parquet_file(tmp_path):
-    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed: the .parquet reader cannot be exercised")
+    pa = need("pyarrow", "the .parquet reader")
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"problem": ["1+1?", "2+2?"], "solution": ["\\boxed{2}", "\\boxed{4}"],
                              "split": ["train", "test"]}), str(tmp_path / "d.parquet"))

@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import need
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_distributed import ROOT, torchrun  # noqa: E402
 from test_train import TINY, tiny  # noqa: E402,F401  (the session's tiny default model, built once)
@@ -64,7 +66,7 @@ def reference(tiny):
 def ray_head(tmp_path_factory):
     """`ray start --head` in the repo root (a job's entrypoint runs where the head started) with this checkout on
     PYTHONPATH. -> (GCS address for ray.address, dashboard URL for `ray job submit`, environment for the CLI)."""
-    pytest.importorskip("ray.dashboard")
+    need("ray.dashboard", "`ray job submit` talks to the dashboard's job server")
     gcs, dash, client = free_ports(3)
     env = {**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     # its own session: every daemon it starts (GCS, raylet, dashboard, workers) joins this process group

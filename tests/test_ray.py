@@ -11,7 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+from conftest import need
+
+ray = need("ray", "a runtime dependency: bash setup.sh installs it")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import tiny  # noqa: E402,F401  (the session's tiny default model, built once)

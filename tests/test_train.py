@@ -7,6 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import need
+
 from config import load_config
 from train import main
 
@@ -61,7 +63,7 @@ def test_resume_is_exact(tiny):
 
 
 def test_default_model_loads_in_transformers(tiny):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "the logits-parity oracle")
     from agent import render
     from env import make_env
     from model import load_model

