@@ -248,9 +248,9 @@ def test_parse_never_raises(text):
 def test_parse_bounded_time_on_long_inputs():
     for text in ["<tool_call>" * 50_000, "</tool_call>" * 50_000, "<tool_call>{" * 30_000 + "</tool_call>",
                  "<tool_call>" + "[" * 100_000 + "</tool_call>", "x" * 1_000_000]:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()          # CPU time of this thread: another process on the cores cannot fail it
         calls, err = parse_tool_calls(text)
-        assert time.perf_counter() - t0 < 2.0
+        assert time.thread_time() - t0 < 2.0
         assert calls == [] and (err is not None or text[0] == "x")
 
 

@@ -18,7 +18,11 @@ from env import ToolCall
 U = {"role": "user", "content": "What is 2 + 3?"}
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
-BOUND_S = 0.05  # "a few milliseconds", with room for a loaded 2-core CI machine
+# The parser promises bounded time: no input makes it scan super-linearly (ReDoS, quadratic rescans). These tests
+# guard that promise, not a speed target (bench/ holds those): BOUND_S of this thread's CPU time, the best of three
+# parses, so neither another process on the cores nor one preemption or garbage collection can fail them, while a
+# super-linear blowup on these inputs costs seconds.
+BOUND_S = 0.05
 
 
 def block(body: str) -> str:
@@ -36,9 +40,13 @@ def rerenders(text: str) -> bool:
 
 
 def timed_parse(text: str):
-    start = time.perf_counter()
-    calls, error = parse_tool_calls(text)
-    return calls, error, time.perf_counter() - start
+    """parse_tool_calls(text) -> (calls, error, the least CPU seconds of this thread over three parses)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        calls, error = parse_tool_calls(text)
+        best = min(best, time.thread_time() - start)
+    return calls, error, best
 
 
 # -----------------------------------------------------------------------------
@@ -192,8 +200,7 @@ def test_limits_on_size_and_count():
     "<tool_call>\n" + '{"name": "a", "arguments": {"code": "' + "\\n" * 40_000 + '"}}',
 ])
 def test_adversarial_inputs_take_milliseconds(text):
-    best = min(timed_parse(text)[2] for _ in range(3))   # the best of three: the machine may be busy
-    assert best < BOUND_S
+    assert timed_parse(text)[2] < BOUND_S
     assert rerenders(text) or len(text) > 200_000        # (rendering megabytes is not what is timed here)
 
 
