@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from env import Action, Env, Task, ToolCall
+from env import Action, Env, Task, ToolCall, mix_seed
 from env import assistant_message as env_assistant_message  # builds the dict; ours parses text first
 
 
@@ -606,14 +606,6 @@ class Trajectory:
     info: dict = field(default_factory=dict)  # the last env info (or {"error": ...} after an env error)
 
 
-def _mix_seed(*xs: int) -> int:
-    """A reproducible 63-bit seed from integers (Python's hash() of tuples is not stable across versions)."""
-    h = 0x2545F4914F6CDD1D
-    for x in xs:
-        h = (h * 1_000_003 + int(x)) % (1 << 63)
-    return h
-
-
 def _encode(tokenizer, text: str) -> list[int]:
     # special tokens written in the text (<|im_start|>, <|im_end|>, ...) map to their ids
     return tokenizer.encode(text, add_special_tokens=False).ids
@@ -670,7 +662,7 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
     for g, task in enumerate(tasks):
         env = envs[task.env]
         for s in range(cfg.n_samples):
-            state, msgs = env.reset(task, seed=_mix_seed(seed, g, s))
+            state, msgs = env.reset(task, seed=mix_seed(seed, g, s))
             text = render(msgs, env.tools(), add_generation_prompt=True, chat_format=cfg.chat_format,
                           enable_thinking=cfg.enable_thinking)
             if text not in prompt_cache:      # the n samples of a task usually share their prompt
@@ -710,7 +702,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     while active:
         budgets = [min(params.max_tokens, cfg.max_total_tokens - len(trajs[i].token_ids) - 1) for i in active]
         call = replace(params, n=1, max_tokens=max(budgets), stop_token_ids=stop_ids,
-                       seed=_mix_seed(seed, turn))   # reproducible runs: the engine's RNG comes from (seed, turn)
+                       seed=mix_seed(seed, turn))   # reproducible runs: the engine's RNG comes from (seed, turn)
         gens = engine.generate([list(trajs[i].token_ids) for i in active], call)   # copies: we extend ours in place
         if len(gens) != len(active):
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")

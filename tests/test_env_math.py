@@ -20,7 +20,7 @@ import env
 import env_math
 from config import load_config
 from env import Action, Task, ToolCall, calculate, make_env, split_of
-from env_math import answers_equivalent, extract_reference, last_boxed, to_number
+from env_math import answers_equivalent, extract_reference, to_number
 from eval import play_scripted
 
 from conftest import need
@@ -318,13 +318,6 @@ def test_expert_ceiling_and_random_floor_on_held_out_tasks():
 ])
 def test_extract_reference(field, reference):
     assert extract_reference(field) == reference
-
-
-def test_last_boxed():
-    assert last_boxed("\\boxed{a{b{c}}d} and \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
-    assert last_boxed("\\fbox{7}") == "7"
-    assert last_boxed("\\boxed{3} then \\boxed{\\frac{1}{2}") is None          # the last one is never closed
-    assert last_boxed("no box here") is None
 
 
 @pytest.mark.parametrize("answer, reference, same", [

@@ -15,7 +15,7 @@ import torch
 
 from agent import AgentConfig, SamplingParams, run_episodes
 from model import ModelConfig, init_model
-from rollout import OpenAIEngine, TorchEngine
+from rollout import OpenAIEngine, TorchEngine, row_seeds
 from test_agent import CalcEnv, calc_task, tok  # noqa: F401 (tok is a fixture)
 
 PAD = 0
@@ -111,12 +111,11 @@ def test_same_tokens_and_logprobs_as_the_engine_behind_it(engine, mode):
             want = d.logprobs[:-1] + [0.0] if (mode == "drop_stop" and d.finish_reason == "stop") else d.logprobs
             assert r.logprobs == pytest.approx(want, abs=1e-4)   # a row batched with others vs alone: float32 sums differ
 
-        # sampling: n per prompt, prompt-major, and prompt i's seed is derived from (seed, i)
+        # sampling: n per prompt, prompt-major, and prompt i's seed is row_seeds(seed, 3)[i]
         sampled = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11)
         remote = client.generate(PROMPTS, sampled)
         assert len(remote) == 9
-        for i, p in enumerate(PROMPTS):
-            seed = (11 * 1_000_003 + i) % (2**31 - 1)
+        for i, (p, seed) in enumerate(zip(PROMPTS, row_seeds(11, len(PROMPTS)))):
             ref = engine.generate([p], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=seed))
             assert [g.token_ids for g in remote[3 * i:3 * i + 3]] == [g.token_ids for g in ref]
     finally:

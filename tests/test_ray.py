@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import tiny  # noqa: E402,F401  (the session's tiny default model, built once)
 
 from agent import AgentConfig, SamplingParams, run_episodes  # noqa: E402
-from env import ToyMathEnv, make_env  # noqa: E402
-from rollout import (EnvPool, NumpyWeights, TorchEngine, WorkerSpec, chunk_seed, dispatch,  # noqa: E402
+from env import ToyMathEnv, make_env, mix_seed  # noqa: E402
+from rollout import (EnvPool, NumpyWeights, TorchEngine, WorkerSpec, dispatch,  # noqa: E402
                      make_placement_group, push_weights, start_env_workers, start_rollout_workers)
 
 AGENT = AgentConfig(n_samples=2, max_turns=3, max_total_tokens=768)
@@ -77,7 +77,7 @@ def in_process(model_dir, ts, seed, chunk_groups, agent=AGENT, step_many=None, e
         out = []
         for first in range(0, len(ts), chunk_groups):
             part = run_episodes(engine, envs, ts[first:first + chunk_groups], tok, agent, PARAMS,
-                                chunk_seed(seed, first), step_many=step_many)
+                                mix_seed(seed, first), step_many=step_many)
             out += [replace(t, group=t.group + first) for t in part]
         return out
     finally:
