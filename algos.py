@@ -348,15 +348,6 @@ def kl_penalty(logp, ref_logp, kind: str):
     return (log_rho.exp() - 1 - log_rho).clamp(-10, 10)
 
 
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) over the last dim, in float32: H = logsumexp(z) - sum_v softmax(z)_v z_v.
-
-    logits (..., V) -> (...). The logsumexp form never exponentiates a large logit; logits must be finite.
-    """
-    z = logits.float()
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-
-
 def value_loss(values, old_values, returns, mask, clip: float, agg_mode: str = "token-mean"):
     """PPO's clipped value loss (arXiv:1707.06347; clipping as in OpenAI baselines). All inputs (B, T).
 

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 import yaml
 
 import algos
-from agent import CHAT_FORMATS, AgentConfig
+from agent import AgentConfig
+from chat import CHAT_FORMATS
+from cluster import DISPATCHERS, RayConfig
 from learner import LearnerConfig
-from rollout import DISPATCHERS
 
 
 @dataclass
-class ModelConfig:
+class ModelSpec:
+    """Where the policy comes from (model.ModelConfig is its architecture, read from the folder's config.json)."""
     path: str = "default"            # a Hugging Face folder (config.json, tokenizer.json, *.safetensors), or
                                      # "default": the embedded tiny model, built on first use and cached
     dtype: str = "float32"           # parameter dtype of the learner and the torch engine (float32|bfloat16)
@@ -122,34 +124,6 @@ class SFTConfig:
 
 
 @dataclass
-class RayConfig:
-    """The `ray:` section. Launching (train.launch_on_ray): `ray.learner_workers=N` runs the learner as N Ray
-    actors, the same SPMD ranks that `torchrun --nproc_per_node N` starts. Rollouts (rollout.py, section "Ray"):
-    `ray.rollout_workers=M` plays the episodes on M RolloutWorker actors through a dispatcher."""
-    address: str = ""                # the cluster to join: "" = $RAY_ADDRESS when set (e.g. by `ray job submit`), else a
-                                     # local Ray started in this process; or e.g. "HEAD_IP:6379"
-    placement_strategy: str = "PACK"  # how actors' bundles are placed: PACK (as few nodes as possible) or SPREAD
-                                     # (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
-    # --- the learner's ranks as actors (train.launch_on_ray)
-    learner_workers: int = 0         # 0: this process is the whole learner (or torchrun's ranks are); N > 0: N learner
-                                     # actors, one rank each (gloo on CPU, NCCL on GPUs)
-    cpus_per_learner: float = 1.0    # CPUs Ray reserves for each learner actor (its torch threads default to this)
-    gpus_per_learner: float = 0.0    # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
-    # --- rollout workers and dispatchers (rollout.py, section "Ray"); rank 0 alone talks to them
-    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each) that play the episodes;
-                                     # 0: the engine in this process, and Ray is never imported for rollouts
-    env_workers: int = 0             # EnvWorker actors: env steps of every worker go through them (CPU-heavy envs), and
-                                     # they run async_pipeline's init and evaluate stages (which need at least 1)
-    dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (rollout.dispatch)
-    chunk_groups: int = 1            # task groups per unit of work: one worker call, one seed (from its first group)
-    max_in_flight: int = 0           # chunks in flight at most: async_batch_bounded (0: one per worker) and
-                                     # async_pipeline (0: two per worker); async_batch submits all
-    cpus_per_worker: float = 1.0     # each rollout worker's placement-group bundle: CPUs ...
-    gpus_per_worker: float = 0.0     # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
-    cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
-
-
-@dataclass
 class Config:
     seed: int = 0                    # seeds task sampling, the engine and the learner (all derived per step)
     run_name: str = "toy_math"       # the run folder is out_dir/run_name
@@ -163,17 +137,26 @@ class Config:
     wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
     wandb_project: str = "nano-skyrl"
     threads: int = 0                 # torch CPU threads (0: torch's default)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSpec = field(default_factory=ModelSpec)
     envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])  # training mix and held-out sets
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    ray: RayConfig = field(default_factory=RayConfig)  # Ray rollout workers (off by default)
+    ray: RayConfig = field(default_factory=RayConfig)  # Ray rollout workers and learner actors (cluster.py; off)
 
 
 # -----------------------------------------------------------------------------
 # filling the tree: dict -> dataclass, with type checks and helpful errors
+
+ENGINE_KINDS = ("torch", "vllm", "openai")      # rollout.make_engine's kinds
+
+
+def _did_you_mean(word, choices) -> str:
+    """'; did you mean 'x'?' for the valid choice closest to a misspelt key or value ('' when there is none)."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.0)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
 
 def _check(value, tp, key: str):
     """Coerce a YAML value to the field's type, or raise naming the key."""
@@ -228,9 +211,7 @@ def from_dict(cls, d: dict, prefix: str = ""):
     kwargs = {}
     for k, v in d.items():
         if k not in names:
-            close = difflib.get_close_matches(k, names, n=1, cutoff=0.0)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise KeyError(f"unknown config key '{prefix}{k}'{hint}")
+            raise KeyError(f"unknown config key '{prefix}{k}'{_did_you_mean(prefix + k, [prefix + n for n in names])}")
         kwargs[k] = _check(v, hints[k], prefix + k)
     return cls(**kwargs)
 
@@ -256,8 +237,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     for p in patches:
         name = (p.get("algo") or {}).get("name", name) if isinstance(p.get("algo"), dict) else name
     if name not in ALGO_PRESETS:
-        close = difflib.get_close_matches(str(name), list(ALGO_PRESETS), n=1, cutoff=0.0)
-        raise ValueError(f"unknown algo.name {name!r}; choose from {list(ALGO_PRESETS)} (did you mean {close[0]!r}?)")
+        raise ValueError(f"unknown algo.name {name!r}; choose from {list(ALGO_PRESETS)}"
+                         f"{_did_you_mean(name, ALGO_PRESETS)}")
     preset: dict = {}
     for k, v in ALGO_PRESETS[name].items():
         _set_path(preset, k, v)
@@ -274,15 +255,15 @@ def validate(cfg: Config) -> Config:
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
         ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
         ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
-        ("rollout.engine", cfg.rollout.engine, ("torch", "vllm", "openai")),
+        ("rollout.engine", cfg.rollout.engine, ENGINE_KINDS),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
         ("ray.placement_strategy", cfg.ray.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
+        ("ray.dispatcher", cfg.ray.dispatcher, DISPATCHERS),
     ]
     for key, value, allowed in choices:
         if value not in allowed:
-            close = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.0)
-            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}; did you mean {close[0]!r}?")
+            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
     if cfg.learner.loss.agg_mode == "seq-mean-token-sum-norm" and not cfg.learner.loss.agg_norm:
         raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm needs learner.loss.agg_norm (a constant)")
     if cfg.algo.advantage != "gae" and cfg.rollout.agent.n_samples < 2:
@@ -306,22 +287,19 @@ def validate(cfg: Config) -> Config:
 
 def validate_ray(cfg: Config):
     """The ray section's choices, checked before anything is built."""
-    r = cfg.ray
-    if r.dispatcher not in DISPATCHERS:
-        close = difflib.get_close_matches(r.dispatcher, list(DISPATCHERS), n=1, cutoff=0.0)
-        raise ValueError(f"ray.dispatcher={r.dispatcher!r} is not one of {list(DISPATCHERS)}; "
-                         f"did you mean {close[0]!r}?")
-    if r.learner_workers < 0 or r.cpus_per_learner <= 0 or r.gpus_per_learner < 0 or r.gpus_per_learner % 1:
+    ray_cfg = cfg.ray
+    if (ray_cfg.learner_workers < 0 or ray_cfg.cpus_per_learner <= 0 or ray_cfg.gpus_per_learner < 0
+            or ray_cfg.gpus_per_learner % 1):
         raise ValueError("ray.learner_workers must be >= 0 (0: no learner actors), ray.cpus_per_learner > 0 and "
                          "ray.gpus_per_learner a whole number >= 0 (NCCL cannot put two ranks on one GPU)")
-    if r.rollout_workers < 0 or r.env_workers < 0 or r.chunk_groups < 1 or r.max_in_flight < 0:
+    if min(ray_cfg.rollout_workers, ray_cfg.env_workers, ray_cfg.max_in_flight) < 0 or ray_cfg.chunk_groups < 1:
         raise ValueError("ray.rollout_workers, env_workers and max_in_flight must be >= 0, ray.chunk_groups >= 1")
-    if r.env_workers and not r.rollout_workers:
+    if ray_cfg.env_workers and not ray_cfg.rollout_workers:
         raise ValueError("ray.env_workers serve Ray rollout workers: set ray.rollout_workers > 0 too")
-    if r.rollout_workers and r.dispatcher == "async_pipeline" and not r.env_workers:
+    if ray_cfg.rollout_workers and ray_cfg.dispatcher == "async_pipeline" and not ray_cfg.env_workers:
         raise ValueError("ray.dispatcher=async_pipeline runs its init and evaluate stages on env workers: "
                          "set ray.env_workers >= 1")
-    if r.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
+    if ray_cfg.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
         raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
 
 
@@ -339,8 +317,7 @@ def _merge(base: dict, patch: dict, prefix: str):
             base[int(k)] = _merge_value(base[int(k)], v, f"{prefix}{k}")
             continue
         if k not in base:
-            close = difflib.get_close_matches(str(k), list(base), n=1, cutoff=0.0)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            hint = _did_you_mean(prefix + str(k), [prefix + b for b in base])
             raise KeyError(f"unknown config key '{prefix}{k}'{hint}")
         base[k] = _merge_value(base[k], v, f"{prefix}{k}")
 
@@ -359,3 +336,14 @@ def _merge_value(old, new, key: str):
         return [_merge_value(to_dict(EnvSpec()), e, f"{key}.{i}") if isinstance(e, dict) else e
                 for i, e in enumerate(new)]
     return new
+
+
+def engine_options(cfg: Config) -> dict:
+    """rollout.make_engine's keywords for this run (everything but the kind, the folder and the pad id): the one
+    place the engine's context length is derived, whoever builds the engine (train.py, eval.py, Ray workers)."""
+    rollout = cfg.rollout
+    return {"dtype": cfg.model.dtype, "seed": cfg.seed, "cache_dir": cfg.model.cache_dir,
+            # a whole trajectory, plus a turn's new tokens or the weight-sync probe's, whichever is longer
+            "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
+            "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
+            "base_url": rollout.base_url, "served_model": rollout.served_model}

@@ -36,9 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-# The sandboxes; re-exported so `env.run_python` and friends stay where users look for them.
-from sandbox import (SANDBOX, ExecLimits, PythonSandbox, check_code, check_program,  # noqa: F401 (re-exports)
-                     execute_python, run_python)
+# The two sandboxes behind python_eval and python_exec (env_code.py grades through env.execute_python too).
+from sandbox import SANDBOX, execute_python
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -420,10 +419,12 @@ class Env:
     def step(self, state: EnvState, action: Action) -> tuple[EnvState, list[dict], float, bool, dict]:
         """One assistant message -> (state, observation messages, reward, done, info).
 
-        info: "format_ok" (answered through finish with a well-formed answer), "answer", and this step's
-        "tool_calls", "tool_errors", "tool_timeouts". An env may add "metrics": {name: float} (e.g. code's
-        pass fraction); eval.py averages the last one each episode reported as eval/<env>/<name>, so an env
-        whose metrics mean something before the end (counters) should report them on every step.
+        info: "format_ok" (answered through finish with a well-formed answer), "answer", and what this step added
+        to the episode's counters, "tool_calls", "tool_errors", "tool_timeouts", "parse_failures": the state keeps
+        the running counts (an env's reward may read them), a caller sums these (agent.py, eval.py). An env may
+        add "metrics": {name: float} (e.g. code's pass fraction); eval.py averages the last one each episode
+        reported as eval/<env>/<name>, so an env whose metrics mean something before the end (counters) should
+        report them on every step.
         """
         if state.done:
             raise ValueError("step() called on a finished episode")
@@ -443,7 +444,8 @@ class Env:
         info = {"format_ok": False, "answer": state.answer if done else None, **info,
                 "tool_calls": state.tool_calls - start.tool_calls,
                 "tool_errors": state.tool_errors - start.tool_errors,
-                "tool_timeouts": state.tool_timeouts - start.tool_timeouts}
+                "tool_timeouts": state.tool_timeouts - start.tool_timeouts,
+                "parse_failures": state.parse_failures - start.parse_failures}
         return state, obs, reward, done, info
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
@@ -551,17 +553,20 @@ def register_env(name: str):
     return register
 
 
-def sample_distinct(draw: Callable[[random.Random], "Task | None"], split: str, n: int, seed: int,
-                    hint: str = "") -> list[Task]:
+def sample_distinct(draw: Callable, split: str, n: int, seed: int, hint: str = "",
+                    per_task: Callable[[random.Random], object] | None = None) -> list[Task]:
     """n tasks with distinct ids from `draw(rng)`, which returns a task of `split` or None (a draw of the
     other split). Deterministic from `seed`; raises ValueError (ending in `hint`, the knob to loosen)
-    when the split runs out of distinct tasks. The rejection loop of every env's sample_tasks."""
+    when the split runs out of distinct tasks. The rejection loop of every env's sample_tasks.
+    With `per_task`, something is drawn once per task before its draws and passed on, draw(rng, it) (alfworld
+    draws the task kind first, so both splits mix the kinds evenly whatever each kind's rejection rate)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     rng = random.Random(seed)
     tasks, seen, misses = [], set(), 0
+    first = per_task(rng) if per_task is not None else None
     while len(tasks) < n:
-        task = draw(rng)
+        task = draw(rng) if per_task is None else draw(rng, first)
         if task is None or task.id in seen:
             misses += 1
             if misses > 1000 + 100 * n:
@@ -569,6 +574,24 @@ def sample_distinct(draw: Callable[[random.Random], "Task | None"], split: str, 
             continue
         seen.add(task.id)
         tasks.append(task)
+        if per_task is not None and len(tasks) < n:
+            first = per_task(rng)
+    return tasks
+
+
+def sample_mixture(envs: dict[str, "Env"], weights: list[tuple[str, float]], split: str, n: int,
+                   seed: int) -> list[Task]:
+    """n tasks of `split` from several envs, each env's share of n by its weight ((name, weight) pairs, in order;
+    the largest remainders get the leftover tasks): a run's mix of training tasks."""
+    total = sum(w for _, w in weights)
+    quotas = [n * w / total for _, w in weights]
+    counts = [int(q) for q in quotas]
+    for i in sorted(range(len(weights)), key=lambda i: counts[i] - quotas[i])[: n - sum(counts)]:
+        counts[i] += 1
+    tasks = []
+    for i, ((name, _), c) in enumerate(zip(weights, counts)):
+        if c:
+            tasks += envs[name].sample_tasks(split, c, seed + i)
     return tasks
 
 
@@ -635,9 +658,11 @@ def eval_arith(expression: str) -> int:
     return value(ast.parse(expression, mode="eval").body)
 
 
-def split_of(prompt: str) -> str:
-    """"test" or "train", from a stable hash of the problem text: no seed can make the splits overlap."""
-    return "test" if int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 100 < TEST_PERCENT else "train"
+def split_of(key: str, test_percent: int = TEST_PERCENT) -> str:
+    """"test" or "train", from a stable hash of `key` (a problem's text, an entity's name, a customer, ...):
+    test_percent of all keys are "test", whatever the seed, so no seed can make the splits overlap. Every env
+    splits through this; each chooses what its key is and its own share."""
+    return "test" if int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100 < test_percent else "train"
 
 
 def _divisor(rng: random.Random, m: int) -> int:

@@ -45,7 +45,8 @@ import json
 import random
 from dataclasses import dataclass, replace
 
-from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, tool, tool_message
+from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct, split_of,
+                 tool, tool_message)
 
 # ----------------------------------------------------------------------------------------------------
 # The vocabulary of the world
@@ -261,12 +262,6 @@ def house_act(env, state, command):
 # ----------------------------------------------------------------------------------------------------
 # Task generation and the split
 
-def split_of(kind: str, obj: str, target: str) -> str:
-    """"test" or "train", from a stable hash of the (kind, object type, receptacle type) triple."""
-    key = f"{kind}/{obj}/{type_of(target)}"
-    return "test" if int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100 < TEST_PERCENT else "train"
-
-
 def goal_text(scene: Scene) -> str:
     """'put a clean mug on shelf 1', 'look at the book under desklamp 1', 'put two pencils in drawer 1'."""
     if scene.kind == "examine":
@@ -398,25 +393,17 @@ class AlfworldLiteEnv(Env):
         return f"{text}\nTask: {goal_text(state.scene)}." if self.restate_goal and not state.done else text
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
-        """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-        rng = random.Random(seed)
-        tasks, seen, misses = [], set(), 0
-        while len(tasks) < n:
-            kind = rng.choice(self.kinds)   # drawn first, so both splits mix the kinds evenly
-            while True:
-                scene = draw_scene(rng, kind, self.min_storage, self.max_storage)
-                task = (self.make_task(scene) if split_of(kind, scene.obj, scene.target) == split
-                        and len(expert_plan(scene, search_order(scene), tidy=False)) <= MAX_EXPERT_TURNS else None)
-                if task is not None and task.id not in seen:
-                    break
-                misses += 1
-                if misses > 1000 + 100 * n:
-                    raise ValueError(f"found only {len(tasks)} distinct {split} tasks of {n} for kinds {self.kinds}")
-            seen.add(task.id)
-            tasks.append(task)
-        return tasks
+        """n distinct tasks of `split`, the same for the same (seed, constructor arguments). The split is a stable
+        hash of the (kind, object type, receptacle type) triple; the kind is drawn first, once per task."""
+        def draw(rng: random.Random, kind: str) -> Task | None:
+            scene = draw_scene(rng, kind, self.min_storage, self.max_storage)
+            if split_of(f"{kind}/{scene.obj}/{type_of(scene.target)}", TEST_PERCENT) != split:
+                return None
+            if len(expert_plan(scene, search_order(scene), tidy=False)) > MAX_EXPERT_TURNS:
+                return None
+            return self.make_task(scene)
+        return sample_distinct(draw, split, n, seed, f" for kinds {self.kinds}",
+                               per_task=lambda rng: rng.choice(self.kinds))
 
     def reset(self, task: Task, seed: int) -> tuple[HouseState, list[dict]]:
         """The world as the task's scene sets it up; `seed` is unused (the world is deterministic)."""

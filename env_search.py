@@ -67,7 +67,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from env import (Action, Env, EnvState, Task, ToolCall, answers_match, assistant_message, calculate, extract_answer,
-                 format_exact, register_env, tool, tool_message)
+                 format_exact, register_env, split_of, tool, tool_message)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -89,11 +89,6 @@ TEMPLATE_WORDS = frozenset(
     "is a city in it was founded its population company headquartered by has employees he she born "
     "what year which who the of how many years passed between and old when first or where".split()
 ) | frozenset(OCCUPATIONS) | frozenset(re.findall(r"[a-z]+", SYSTEM_PROMPT.lower()))
-
-
-def split_of(name: str) -> str:
-    """"test" or "train", from a stable hash of an entity's name: no seed can move an entity across."""
-    return "test" if int(hashlib.sha256(name.encode()).hexdigest(), 16) % 100 < TEST_PERCENT else "train"
 
 
 @dataclass(frozen=True)
@@ -199,9 +194,9 @@ def build_encyclopedia(seed: int, num_cities: int, num_companies: int, num_peopl
               for name, year in zip(city_names, city_years)}
     companies, people = {}, {}
     for split in ("train", "test"):
-        home = [c for c in city_names if split_of(c) == split]
-        firms = [k for k in company_names if split_of(k) == split]
-        folk = [p for p in person_names if split_of(p) == split]
+        home = [c for c in city_names if split_of(c, TEST_PERCENT) == split]
+        firms = [k for k in company_names if split_of(k, TEST_PERCENT) == split]
+        folk = [p for p in person_names if split_of(p, TEST_PERCENT) == split]
         if folk and not home:
             raise ValueError(f"no {split} city for the {split} people to be born in: raise num_cities")
         n = min(len(firms), len(home), len(folk))
@@ -473,7 +468,7 @@ class ToolUseEnv(Env):
         self.index = BM25([" ".join(a.sentences) for a in self.corpus.articles])   # the title line repeats the
         # first words of the body; indexing it twice would rank a city above its company for "in <city>"
         by_pool = {"city": self.corpus.cities, "company": self.corpus.companies, "person": self.corpus.people}
-        self.pools = {(pool, split): [n for n in names if split_of(n) == split]   # entity names per pool and split
+        self.pools = {(pool, split): [n for n in names if split_of(n, TEST_PERCENT) == split]  # names per pool, split
                       for pool, names in by_pool.items() for split in ("train", "test")}
 
     def system_prompt(self) -> str:

@@ -63,7 +63,8 @@ import random
 import re
 from dataclasses import dataclass, replace
 
-from env import TOOLS, Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, split_of, tool
+from env import (TOOLS, Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct,
+                 split_of, tool)
 
 # ----------------------------------------------------------------------------------------------------
 # The database: frozen records, one printed line each
@@ -481,16 +482,8 @@ class TauEnv(Env):
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, constructor arguments)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-        rng = random.Random(seed)
-        tasks, seen = [], set()
-        while len(tasks) < n:
-            task = make_task(rng, split, rng.choice(self.kinds), self.know_id_prob)
-            if task.id not in seen:
-                seen.add(task.id)
-                tasks.append(task)
-        return tasks
+        return sample_distinct(lambda rng: make_task(rng, split, rng.choice(self.kinds), self.know_id_prob),
+                               split, n, seed, f" for kinds {self.kinds}")
 
     def reset(self, task: Task, seed: int) -> tuple[TauState, list[dict]]:
         """A new episode on the task's initial database (`seed` unused: the world is deterministic)."""

@@ -63,7 +63,7 @@ import random
 import re
 from dataclasses import dataclass, field, replace
 
-from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, tool, tool_message
+from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, split_of, tool, tool_message
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,12 +135,6 @@ def make_catalog(seed: int) -> tuple[Product, ...]:
     rng.shuffle(order)                                 # ids in shuffled order: a twin is not its target's neighbour
     ids = {k: f"B{i:03d}" for i, k in enumerate(order)}
     return tuple(sorted((Product(ids[k], *d) for k, d in enumerate(drafts)), key=lambda p: p.id))
-
-
-def split_of(title: str) -> str:
-    """"test" or "train" for a target title, from a stable hash: the same under every catalog seed."""
-    digest = hashlib.sha256(f"webshop_lite/{title}".encode()).hexdigest()
-    return "test" if int(digest, 16) % 100 < TEST_PERCENT else "train"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -336,7 +330,8 @@ class WebShopLiteEnv(Env):
             for values in itertools.product(*(vs for _, vs in target.options)):
                 for limit in (target.price // 5 * 5 + 5, target.price // 5 * 5 + 10):
                     chosen = tuple(zip((opt for opt, _ in target.options), values))
-                    self._tasks[split_of(target.title)].append(self.make_task(target, chosen, limit))
+                    split = split_of(f"webshop_lite/{target.title}", TEST_PERCENT)  # the same under every catalog
+                    self._tasks[split].append(self.make_task(target, chosen, limit))
 
     def make_task(self, target: Product, chosen: tuple[tuple[str, str], ...], limit: int) -> Task:
         """The instruction to buy `target` with options `chosen` for less than `limit` dollars."""

@@ -6,7 +6,7 @@
                                                           # a model served by `vllm serve DIR` (DIR: its tokenizer)
     python eval.py --checkpoint DIR --config ... rollout.engine=vllm    # vLLM in this process (pip install vllm)
 
-Runs each env's held-out tasks once through the same agent loop as training (greedy by default,
+Runs each env's held-out tasks once through the same rollout source as training (greedy by default,
 `eval_temperature`), and reports per env and overall: accuracy (mean reward), mean turns, tool calls
 per episode, tokens per episode and the parse-failure rate. Every episode is dumped as a JSON line
 (full conversation, reward, counts) so that a person can read what the policy actually did.
@@ -19,7 +19,7 @@ import os
 import random
 from dataclasses import replace
 
-from agent import AgentConfig, SamplingParams, Trajectory, run_episodes
+from agent import AgentConfig, LocalRollouts, Trajectory
 from env import Action, Env, Task, ToolCall, make_env, mix_seed
 
 
@@ -28,20 +28,19 @@ def heldout_tasks(envs: dict[str, Env], sizes: dict[str, int], seed: int) -> dic
     return {name: env.sample_tasks("test", sizes[name], seed) for name, env in envs.items()}
 
 
-def evaluate(engine, envs: dict[str, Env], tasks: dict[str, list[Task]], tokenizer, agent_cfg: AgentConfig,
-             params: SamplingParams, seed: int) -> tuple[dict[str, float], list[Trajectory]]:
-    """One episode per held-out task -> (metrics 'eval/...', trajectories).
+def evaluate(rollouts, tasks: dict[str, list[Task]], agent_cfg: AgentConfig, params, seed: int
+             ) -> tuple[dict[str, float], list[Trajectory]]:
+    """One episode per held-out task, played by `rollouts` (agent.LocalRollouts, or cluster.RayRollouts) with no
+    judge -> (metrics 'eval/...', trajectories).
 
     eval/accuracy is the mean of the per-env accuracies, so a small held-out set counts as much as a big one."""
-    cfg = replace(agent_cfg, n_samples=1)
     all_tasks = [t for name in tasks for t in tasks[name]]
-    trajs = run_episodes(engine, envs, all_tasks, tokenizer, cfg, params, seed, judge_weight=0.0)  # never a judge
+    trajs, _ = rollouts.play(all_tasks, params, seed, judge_weight=0.0, agent=replace(agent_cfg, n_samples=1))
     return eval_metrics(tasks, trajs), trajs
 
 
 def eval_metrics(tasks: dict[str, list[Task]], trajs: list[Trajectory]) -> dict[str, float]:
-    """The 'eval/...' metrics of one episode per held-out task, however they were played (evaluate() in this
-    process; train.py's Ray workers through a dispatcher)."""
+    """The 'eval/...' metrics of one episode per held-out task."""
     metrics: dict[str, float] = {}
     for name in tasks:
         tr = [t for t in trajs if t.task.env == name]
@@ -87,13 +86,13 @@ def play_scripted(env: Env, tasks: list[Task], policy: str, seed: int, max_turns
         rng = random.Random(episode_seed)
         state, _ = env.reset(task, seed=episode_seed)
         script = expert_actions(env, task, episode_seed) if policy == "expert" else None
-        reward, done, turns, info = 0.0, False, 0, {}
+        reward, done, turns, tool_calls, info = 0.0, False, 0, 0, {}
         while not done and turns < max_turns and (script is None or turns < len(script)):
             action = script[turns] if script is not None else env.random_action(state, rng)
             state, _, r, done, info = env.step(state, action)
-            reward, turns = reward + r, turns + 1
+            reward, turns, tool_calls = reward + r, turns + 1, tool_calls + info.get("tool_calls", 0)
         episodes.append({"task_id": task.id, "reward": reward, "done": done, "turns": turns,
-                         "tool_calls": state.tool_calls, "metrics": info.get("metrics", {})})
+                         "tool_calls": tool_calls, "metrics": info.get("metrics", {})})
     return episodes
 
 
@@ -130,10 +129,10 @@ def dump_episodes(trajs: list[Trajectory], path: str) -> None:
 
 def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
-    from config import load_config
-    from model import load_model
-    from rollout import OpenAIEngine, TorchEngine, VLLMEngine
     from tokenizers import Tokenizer
+
+    from config import engine_options, load_config
+    from rollout import SamplingParams, make_engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a Hugging Face folder with tokenizer.json")
@@ -157,20 +156,15 @@ def main(argv=None):
             print(f"{k:40s} {v:.4f}")
         return metrics
 
+    # the engine loads the checkpoint folder (torch, vllm) or talks to a server that serves it (openai: the folder
+    # then only gives the tokenizer)
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
-    if cfg.rollout.engine == "openai":   # the server holds the weights; the checkpoint folder gives the tokenizer
-        engine = OpenAIEngine(cfg.rollout.base_url, cfg.rollout.served_model or args.checkpoint)
-    elif cfg.rollout.engine == "vllm":   # vLLM in this process, loading the checkpoint folder itself
-        engine = VLLMEngine(args.checkpoint, dtype=cfg.model.dtype, seed=cfg.eval_seed, cache_dir=cfg.model.cache_dir,
-                            max_model_len=cfg.rollout.agent.max_total_tokens + cfg.rollout.max_tokens,
-                            max_num_seqs=cfg.rollout.max_batch_size,
-                            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
-    else:
-        engine = TorchEngine(load_model(args.checkpoint), pad_id=tokenizer.token_to_id("<|endoftext|>"),
-                             max_batch_size=cfg.rollout.max_batch_size)
+    engine = make_engine(cfg.rollout.engine, args.checkpoint, pad_id=tokenizer.token_to_id("<|endoftext|>"),
+                         **{**engine_options(cfg), "seed": cfg.eval_seed})
     params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
-    metrics, trajs = evaluate(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, cfg.eval_seed)
+    rollouts = LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
+    metrics, trajs = evaluate(rollouts, tasks, cfg.rollout.agent, params, cfg.eval_seed)
     out = args.out or os.path.join(args.checkpoint, "eval_episodes.jsonl")
     dump_episodes(trajs, out)
     for k, v in sorted(metrics.items()):

@@ -1,14 +1,14 @@
-"""learner.py: the training side of RL: log-prob recompute, the policy update, SFT, checkpoints.
+"""learner.py: the training side of RL: scoring (log-probs, values), the policy update, SFT, checkpoints.
 
 Everything the learner owns lives in one dataclass, `LearnerState` (model, optimizer, step, RNG), that
-is passed in and returned: `train_step(state, batch, cfg) -> (state, metrics)`. The model and the
-optimizer are torch objects and are updated in place; the dataclass makes it explicit *what* the
-learner's state is, so that a checkpoint saves exactly that and a resume restores exactly that.
+is passed in and a new one returned: `train_step(state, batch, cfg) -> (state, metrics)`. The model and the
+optimizer are torch objects, updated in place; the counters are replaced, never mutated. The dataclass makes
+it explicit *what* the learner's state is, so that a checkpoint saves exactly that and a resume restores it.
 
-How one RL step works (see train.py for where the batch comes from):
-  1. old log-probs: if the batch carries none, score it once with the current weights (no grad). With
-     one optimizer step per batch the PPO ratio is then exactly 1 on the first (only) pass: the loss
-     reduces to the on-policy policy gradient, and clipping acts only from the second mini-batch on.
+How one RL update works (train.py says where the batch and its old log-probs come from):
+  1. old log-probs: the batch carries the learner's log-probs before the update (compute_logprobs, no
+     grad). With one optimizer step per batch the PPO ratio is then exactly 1 on the first (only) pass: the
+     loss reduces to the on-policy policy gradient, and clipping acts only from the second mini-batch on.
   2. split the batch into `mini_batches` optimizer steps (shuffled with the learner's own RNG), repeated
      for `ppo_epochs`; each mini-batch is split again into micro-batches whose gradients accumulate.
   3. micro-batch split invariance: each micro-batch's loss is weighted by its share of the global
@@ -89,10 +89,12 @@ class TrainBatch:
     input_ids: torch.Tensor               # (B, T) long, whole trajectories, right-padded
     loss_mask: torch.Tensor               # (B, T) float, 1 on tokens the policy sampled
     advantages: torch.Tensor              # (B, T) float, advantage of each token (0 where mask is 0)
-    old_logprobs: torch.Tensor | None = None  # (B, T) pi_old, the ratio's denominator; None: recomputed by the
-                                          # learner before the update (the usual case)
+    old_logprobs: torch.Tensor | None = None  # (B, T) pi_old, the ratio's denominator: the learner's log-probs of the
+                                          # batch before this update (compute_logprobs); required by train_step
     engine_logprobs: torch.Tensor | None = None  # (B, T) the log-probs of the engine that sampled the tokens (the
                                           # behaviour policy); used only when cfg.tis_cap > 0
+    ref_logprobs: torch.Tensor | None = None  # (B, T) the frozen reference policy's log-probs; used only when
+                                          # cfg.kl_coef > 0 (the KL term of the loss)
 
 
 def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_model: Transformer | None = None) -> LearnerState:
@@ -158,11 +160,6 @@ def get_world_size() -> int:
 def is_main() -> bool:
     """Rank 0: the only rank that logs, evaluates and writes files."""
     return get_rank() == 0
-
-
-def print0(*args) -> None:
-    if is_main():
-        print(*args, flush=True)
 
 
 def _on_gpu() -> bool:
@@ -302,14 +299,15 @@ def _share(mask_mb: torch.Tensor, mask_all: torch.Tensor, agg_mode: str) -> floa
     return mask_mb.shape[0] / mask_all.shape[0]   # the seq-mean-* modes divide by the number of sequences
 
 
-def _optimizer_step(state: LearnerState, cfg: LearnerConfig) -> dict:
-    """Clip, step, zero. A non-finite gradient norm skips the step (and says so) instead of poisoning the weights."""
+def _optimizer_step(state: LearnerState, cfg: LearnerConfig, step: int) -> dict:
+    """Clip, step, zero; `step` is the optimizer step's number (the learning-rate schedule's clock). A non-finite
+    gradient norm skips the step (and says so) instead of poisoning the weights."""
     params = [p for p in state.model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(grad_norm, "full_tensor"):          # sharded: a DTensor; the norm is of the full gradient
         grad_norm = grad_norm.full_tensor()
-    lr = lr_at(state.step, cfg)
+    lr = lr_at(step, cfg)
     skipped = not torch.isfinite(grad_norm)
     if not skipped:
         for group in state.optimizer.param_groups:
@@ -319,10 +317,12 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig) -> dict:
     return {"grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(skipped)}
 
 
-def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss) -> dict:
+def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss, step: int) -> dict:
     """Run `micro_loss(idx, L) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
     tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length), backprop each,
-    then take one optimizer step. Metrics come back weighted the same way as the loss, summed over ranks."""
+    then take optimizer step number `step`. Metrics come back weighted the same way as the loss, summed over
+    ranks. The model and the optimizer are updated in place (they are torch objects); the caller returns the
+    state with its step counter advanced."""
     state.model.train()
     metrics: dict[str, float] = {}
     lens = _row_lens(mask)
@@ -341,7 +341,7 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
         keys = sorted(metrics)
         total = all_reduce_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
         metrics = dict(zip(keys, total.tolist()))
-    metrics.update(_optimizer_step(state, cfg))
+    metrics.update(_optimizer_step(state, cfg, step))
     return metrics
 
 
@@ -349,30 +349,28 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
 # the RL update
 
 def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tuple[LearnerState, dict]:
-    """One RL update on a batch of trajectories -> (state, metrics namespaced 'train/...')."""
+    """One RL update on a batch of trajectories -> (the state after it, metrics namespaced 'train/...').
+    batch.old_logprobs is required (the caller scored the batch before any update: train.compute_advantages);
+    batch.ref_logprobs too when cfg.kl_coef > 0."""
     model = state.model
     dev = _device(model)
     mask = batch.loss_mask.float()                                            # (B, T)
     old = batch.old_logprobs
     if old is None:
-        old = compute_logprobs(model, batch.input_ids, cfg.micro_batch_size, cfg.temperature,
-                               cfg.logprob_chunk_size, mask)
+        raise ValueError("train_step needs batch.old_logprobs: score the batch first (compute_logprobs)")
     tis, tis_metrics = None, {}
     if cfg.tis_cap > 0:
         if batch.engine_logprobs is None:
             raise ValueError("learner.tis_cap > 0 needs the engine's log-probs (TrainBatch.engine_logprobs)")
         tis, tis_metrics = algos.truncated_is_weights(old, batch.engine_logprobs.to(old.device), mask.to(old.device),
                                                       cfg.tis_cap)                # (B, T)
-    ref = None
-    if cfg.kl_coef > 0:
-        if state.ref_model is None:
-            raise ValueError("learner.kl_coef > 0 needs a reference model (make_learner(..., ref_model=...))")
-        ref = compute_logprobs(state.ref_model, batch.input_ids, cfg.micro_batch_size, cfg.temperature,
-                               cfg.logprob_chunk_size, mask)
+    ref = batch.ref_logprobs
+    if cfg.kl_coef > 0 and ref is None:
+        raise ValueError("learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)")
 
     B = batch.input_ids.shape[0]
     sums: dict[str, float] = {}
-    n_updates = 0
+    n_updates, step = 0, state.step
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
         for rows in order.chunk(cfg.mini_batches):
@@ -390,7 +388,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
                 metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * entropy
-                if ref is not None:
+                if cfg.kl_coef > 0:
                     kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind), m,
                                          cfg.loss.agg_mode, cfg.loss.agg_norm)
                     loss = loss + cfg.kl_coef * kl
@@ -398,15 +396,15 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
                 w = _share(m.cpu(), mb_mask, cfg.loss.agg_mode)
                 return loss * w, {k: float(v) * w for k, v in metrics.items()}
 
-            m = _accumulate(state, cfg, mb_mask, micro_loss)
-            state.step += 1
+            m = _accumulate(state, cfg, mb_mask, micro_loss, step)
+            step += 1
             n_updates += 1
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps
     metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})  # of the whole batch
     metrics["train/updates"] = n_updates
-    return state, metrics
+    return replace(state, step=step), metrics
 
 
 # -----------------------------------------------------------------------------
@@ -465,9 +463,8 @@ def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, valu
         w = _share(mask[idx, :L], mask, "token-mean")
         return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
 
-    m = _accumulate(state, cfg, mask, micro_loss)
-    state.step += 1
-    return state, {f"critic/{k}": v for k, v in m.items()}
+    m = _accumulate(state, cfg, mask, micro_loss, state.step)
+    return replace(state, step=state.step + 1), {f"critic/{k}": v for k, v in m.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -488,9 +485,8 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
         w = _share(m, mask, "token-mean")
         return nll * w, {"loss": float(nll.detach()) * w}
 
-    m = _accumulate(state, cfg, mask, micro_loss)
-    state.step += 1
-    return state, {f"sft/{k}": v for k, v in m.items()}
+    m = _accumulate(state, cfg, mask, micro_loss, state.step)
+    return replace(state, step=state.step + 1), {f"sft/{k}": v for k, v in m.items()}
 
 
 # -----------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""rollout.py: the inference engines that produce RL rollouts.
+"""rollout.py: the inference engines that sample RL rollouts, and the gate that checks they run the learner's weights.
 
 Every engine speaks token ids in, token ids + log-probs out: `generate(prompts, SamplingParams)` takes a list of
 token-id prompts and returns `len(prompts) * n` `Generation`s (prompt-major), each with the sampled ids and the
 log-prob of every sampled id, of softmax(logits / T) before top-p (T = 1 when greedy). Engines that train also
 take `update_weights(state_dict)` with Hugging Face names, and `sleep()` / `wake_up()` around the update (they
 free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, chat templates and tools live in
-agent.py, so an engine never sees a string.
+chat.py and agent.py, so an engine never sees a string.
 
   TorchEngine   a pure-PyTorch batched sampler with a KV cache (model.py's Transformer): no dependencies, CPU-fast
                 for tiny models, the reference the others are tested against.
@@ -13,19 +13,17 @@ agent.py, so an engine never sees a string.
                 GPUs. vllm is imported only when one is built, so nothing else needs it installed.
   OpenAIEngine  a standard-library HTTP client of an OpenAI-compatible completions server (`vllm serve`), for
                 evaluation or rollouts against a remote model whose weights we cannot push.
+make_engine(kind, model_dir, ...) builds any of them: train.py, eval.py, sft.py and cluster.py's Ray workers all
+build their engine through it.
 
-check_weight_sync is the gate train.py runs after every push: the engine samples a few short continuations and
-the learner scores them; their log-probs must agree, or the engine is not running the learner's weights.
-
-Ray (last section): RolloutWorker actors (an engine + the agent loop each) and EnvWorker actors (CPU-heavy env
-work), placed in a placement group, fed weights through the object store (push_weights), and three dispatchers
-(async_batch, async_batch_bounded, async_pipeline) that play a batch of tasks on them with the same
-trajectories and different schedules. `ray` is imported only there, inside the functions that use it.
+The weight-sync gate (last section) is what train.py runs after every push: the engine samples a few short
+continuations and the learner scores them; their log-probs must agree, or the engine is not running the learner's
+weights. Running engines on Ray workers is cluster.py's job.
 
 Shapes: B rows in a batch (prompts x n), b rows still generating, L longest prompt, N max new tokens,
         V vocab, H hidden.
+Imports: model.py only (and torch, safetensors, the standard library; vllm inside VLLMEngine).
 """
-import dataclasses
 import json
 import logging
 import math
@@ -33,19 +31,37 @@ import os
 import time
 import urllib.error
 import urllib.request
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
-from agent import (AgentConfig, Generation, SamplingParams, StepResult, Trajectory, finish_episodes, init_episodes,
-                   play_episodes, run_episodes, step_envs)
-from env import Action, Env, Task, mix_seed
-from model import KVCache, Transformer, safetensors_files
+from model import KVCache, Transformer, load_model, safetensors_files
 
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What an engine is asked to do with each prompt (the same fields for torch, vLLM and remote engines)."""
+    n: int = 1                      # samples per prompt; outputs are ordered prompt-major
+    temperature: float = 1.0        # 0 means greedy
+    top_p: float = 1.0              # nucleus sampling mass
+    max_tokens: int = 256           # new tokens at most, per sample
+    stop_token_ids: tuple = ()      # generation stops after emitting one of these (it is kept in the output)
+    seed: int | None = None         # seed of the engine's torch.Generator for this call (None: nondeterministic)
+
+
+@dataclass
+class Generation:
+    """One sampled continuation: exactly the tokens the engine produced, with their log-probs."""
+    token_ids: list[int]            # (N,) generated ids, including the stop token when one was hit
+    logprobs: list[float]           # (N,) log p(token) under softmax(logits / temperature), before top-p
+    finish_reason: str              # "stop" (a stop token was emitted) or "length" (max_tokens reached)
+
+
+# -----------------------------------------------------------------------------
+# sampling and weight pushes, shared by the engines
 
 def sample_tokens(logits, temperature: float, top_p: float, generator=None):
     """Pick one token per row. logits (B, V) -> (tokens (B,), logprobs (B,)).
@@ -114,6 +130,9 @@ def weight_buckets(state_dict: dict, bucket_bytes: int, dtype: torch.dtype | Non
     if bucket:
         yield cast(bucket)
 
+
+# -----------------------------------------------------------------------------
+# the engines
 
 class TorchEngine:
     """Batched generation with the pure-torch model: left-pad, one prefill, then one token per step from a KV cache.
@@ -466,21 +485,42 @@ class OpenAIEngine:
                                   "use it for evaluation (eval.py), or train with rollout.engine=torch")
 
 
+def make_engine(kind: str, model_dir: str, *, pad_id: int, model: Transformer | None = None, dtype: str = "float32",
+                seed: int = 0, max_model_len: int = 2048, max_batch_size: int = 256,
+                gpu_memory_utilization: float = 0.5, cache_dir: str | None = None, base_url: str = "",
+                served_model: str = ""):
+    """The engine of `kind` for the Hugging Face folder `model_dir` (config.py's engine_options(cfg) gives every
+    keyword from a run's config):
+      torch   TorchEngine over `model` (the caller's own copy) or, when None, the folder loaded in `dtype`;
+      vllm    VLLMEngine loading the folder (dtype, seed, max_model_len, max_batch_size sequences at once, its GPU
+              share, its caches under cache_dir);
+      openai  OpenAIEngine talking to base_url, which serves `served_model` (default: model_dir)."""
+    if kind == "torch":
+        model = model if model is not None else load_model(model_dir, dtype=getattr(torch, dtype)).eval()
+        return TorchEngine(model, pad_id=pad_id, max_batch_size=max_batch_size)
+    if kind == "vllm":
+        return VLLMEngine(model_dir, dtype=dtype, seed=seed, cache_dir=cache_dir, max_model_len=max_model_len,
+                          max_num_seqs=max_batch_size, gpu_memory_utilization=gpu_memory_utilization)
+    if kind == "openai":
+        return OpenAIEngine(base_url, served_model or model_dir)
+    raise ValueError(f"unknown engine {kind!r}: torch, vllm or openai")
+
+
 # -----------------------------------------------------------------------------
 # the weight-sync gate
 
-def check_weight_sync(engine, model: Transformer, prompts: list[list[int]], params: SamplingParams,
-                      max_diff: float) -> float:
-    """Max |engine log-prob - learner log-prob| over the tokens the engine samples for `prompts`; raises past max_diff.
+#
+# After a push the engine must run exactly the learner's weights, and comparing weights cannot show it: vLLM fuses
+# and repacks them, and a stale prefix cache or a tensor left out leaves every weight right and the outputs wrong.
+# So compare what RL uses: the engine samples short continuations (sync_probe; top_p must be 1) and the learner
+# scores the same tokens (logprob_gap); assert_synced stops the run past a threshold. The sampled token's log-prob
+# is also the PPO ratio's denominator, so this is the error the ratio would carry. NaN fails too. Three pieces,
+# because under torchrun rank 0 alone has the engine while every rank's shard joins the learner's forward.
 
-    After a push the engine must run exactly the learner's weights, and comparing weights cannot show it: vLLM
-    fuses and repacks them, and a stale prefix cache or a tensor left out leaves every weight right and the
-    outputs wrong. So compare what RL uses: the engine samples short continuations with `params` (top_p must be
-    1) and the learner scores the same tokens (logprob_gap). The sampled token's log-prob is also the PPO
-    ratio's denominator, so this is the error the ratio would carry. NaN fails too.
-    """
-    prompts, gens, temperature = sync_probe(engine, prompts, params)
-    return assert_synced(logprob_gap(model, prompts, gens, temperature), max_diff, len(gens))
+def default_sync_threshold(dtype: str) -> float:
+    """The gate's threshold when rollout.sync_max_logprob_diff is not set: 1e-3 in float32 (both sides agree to
+    ~1e-5); 0.5 in bfloat16/float16, where rounding alone reaches ~0.15 on CPU, so only gross mismatches count."""
+    return 1e-3 if dtype == "float32" else 0.5
 
 
 def sync_probe(engine, prompts: list[list[int]], params: SamplingParams):
@@ -517,396 +557,3 @@ def logprob_gap(model: Transformer, prompts: list[list[int]], gens: list[Generat
         diffs.append((learner - torch.tensor(gen.logprobs)).abs().max())
     model.train(training)
     return float(torch.stack(diffs).max())                    # torch's max keeps a NaN, Python's may not
-
-
-# -----------------------------------------------------------------------------
-# Ray: rollout workers, env workers, dispatchers
-#
-# RolloutWorker actors each hold an engine, the tokenizer and the envs, and play whole chunks of episodes;
-# EnvWorker actors run env work that is CPU-heavy (env steps, resets, the judge) beside them. A dispatcher
-# spreads a batch of tasks over the workers in chunks of `chunk_groups` task groups; chunk c is played with
-# the seed mix_seed(seed, its first group), so whichever worker plays it, and whatever the schedule, the
-# trajectories are the same: the three dispatchers differ only in how long they take.
-# Weights reach the workers through the object store: one ray.put of numpy arrays, read zero-copy by every
-# worker on the node (torch tensors would be pickled, see PLATFORM.md). `ray` is imported only in here.
-
-DISPATCHERS = ("async_batch", "async_batch_bounded", "async_pipeline")
-
-
-@dataclass
-class WorkerSpec:
-    """What a RolloutWorker builds itself from, in its own process (the spec is pickled to the actor)."""
-    model_dir: str                     # Hugging Face folder: config.json, tokenizer.json, *.safetensors
-    envs: list[tuple[str, dict]]       # (name, env.make_env kwargs) of every env a task may come from
-    agent: AgentConfig                 # turns, token budget, chat format; n_samples is the group size
-    engine: str = "torch"              # "torch" (TorchEngine over model.load_model) or "vllm" (VLLMEngine)
-    engine_kwargs: dict = field(default_factory=dict)  # TorchEngine: max_batch_size; VLLMEngine: its keywords
-    dtype: str = "float32"             # parameter dtype of the engine's model
-    threads: int = 1                   # torch CPU threads of the worker (Ray gives a 1-CPU actor 1 OMP thread)
-
-
-@dataclass
-class NumpyWeights:
-    """A state dict as numpy arrays, the form the object store hands out zero-copy. numpy has no bfloat16:
-    those tensors travel as their int16 bit patterns, named in `bfloat16`."""
-    arrays: dict                       # {HF name: np.ndarray}
-    bfloat16: tuple = ()               # names whose array holds bfloat16 bits
-
-    @staticmethod
-    def from_torch(state_dict: dict[str, torch.Tensor]) -> "NumpyWeights":
-        """The tensors as arrays sharing their memory (a copy only for a tensor off the CPU or not contiguous)."""
-        arrays, bf16 = {}, []
-        for name, t in state_dict.items():
-            t = t.detach().cpu().contiguous()
-            if t.dtype == torch.bfloat16:
-                t = t.view(torch.int16)                   # same bits, a dtype numpy has
-                bf16.append(name)
-            arrays[name] = t.numpy()
-        return NumpyWeights(arrays, tuple(bf16))
-
-    def to_torch(self) -> dict[str, torch.Tensor]:
-        """Tensors that share the arrays' memory (read-only in the object store: engines copy out of them)."""
-        with warnings.catch_warnings():              # "the given NumPy array is not writable": we only read
-            warnings.simplefilter("ignore", UserWarning)
-            out = {name: torch.from_numpy(a) for name, a in self.arrays.items()}
-        return {name: t.view(torch.bfloat16) if name in self.bfloat16 else t for name, t in out.items()}
-
-
-class RolloutWorker:
-    """An engine, the tokenizer and the envs in one process (a Ray actor; start_rollout_workers makes them):
-    it plays chunks of episodes with agent.run_episodes and takes weight pushes. A plain class, so a test or a
-    debugger can also build one in-process."""
-
-    def __init__(self, spec: WorkerSpec):
-        from tokenizers import Tokenizer
-        from env import make_env
-        from model import load_model
-        torch.set_num_threads(spec.threads)
-        self.spec = spec
-        self.tokenizer = Tokenizer.from_file(os.path.join(spec.model_dir, "tokenizer.json"))
-        if spec.engine == "vllm":
-            self.engine = VLLMEngine(spec.model_dir, dtype=spec.dtype, **spec.engine_kwargs)
-        elif spec.engine == "torch":
-            model = load_model(spec.model_dir, dtype=getattr(torch, spec.dtype)).eval()
-            self.engine = TorchEngine(model, pad_id=self.tokenizer.token_to_id("<|endoftext|>"), **spec.engine_kwargs)
-        else:
-            raise ValueError(f"RolloutWorker: engine {spec.engine!r} is not 'torch' or 'vllm'")
-        self.envs = {name: make_env(name, **kwargs) for name, kwargs in spec.envs}
-        self.step_many = None          # env steps in this process, unless use_env_workers gives an EnvPool
-        self.busy = 0.0                # seconds spent playing episodes, for the dispatchers' idle fraction
-
-    def run(self, tasks: list[Task], params: SamplingParams, seed: int, judge_weight: float = 0.0,
-            agent: AgentConfig | None = None) -> list[Trajectory]:
-        """agent.run_episodes on these tasks (groups numbered from 0). `agent` overrides the spec's (eval: n=1)."""
-        t0 = time.perf_counter()
-        try:
-            return run_episodes(self.engine, self.envs, tasks, self.tokenizer, agent or self.spec.agent, params,
-                                seed, judge_weight=judge_weight, step_many=self.step_many)
-        finally:
-            self.busy += time.perf_counter() - t0
-
-    def play(self, trajs: list[Trajectory], states: list, params: SamplingParams, seed: int,
-             agent: AgentConfig | None = None) -> list[Trajectory]:
-        """The pipeline's run stage: agent.play_episodes on an EnvWorker's init_episodes output."""
-        t0 = time.perf_counter()
-        try:
-            step_many = self.step_many or (lambda calls: step_envs(self.envs, calls))
-            return play_episodes(self.engine, trajs, states, self.tokenizer, agent or self.spec.agent, params,
-                                 seed, step_many)
-        finally:
-            self.busy += time.perf_counter() - t0
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """The engine's generate (train.py's weight-sync gate samples on worker 0)."""
-        return self.engine.generate(prompts, params)
-
-    def update_weights(self, weights: NumpyWeights):
-        """Copy pushed weights into the engine (Ray resolves push_weights' object ref to the shared arrays)."""
-        self.engine.update_weights(weights.to_torch())
-
-    def use_env_workers(self, env_workers: list):
-        """Run env steps on these EnvWorker actors from now on (an EnvPool), or in this process for []."""
-        self.step_many = EnvPool(env_workers) if env_workers else None
-
-    def sleep(self):
-        """The engine's sleep (frees its GPU memory while the learner trains; a no-op on CPU)."""
-        self.engine.sleep()
-
-    def wake_up(self):
-        """The engine's wake_up, before the next push."""
-        self.engine.wake_up()
-
-    def busy_seconds(self) -> float:
-        """Seconds spent in run/play since the start: a dispatcher reads it before and after (idle fraction)."""
-        return self.busy
-
-
-class EnvWorker:
-    """Env work off the rollout workers, for CPU-heavy envs (code grading, python_exec, a judge): env steps
-    (EnvPool), and the async_pipeline's init and evaluate stages. Holds its own copies of the envs (passed
-    in, so an env defined anywhere travels with them) and of the tokenizer (for init's prompts)."""
-
-    def __init__(self, envs: dict[str, Env], model_dir: str):
-        from tokenizers import Tokenizer
-        self.envs = envs
-        self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-
-    def step(self, calls: list[tuple[str, object, Action]]) -> list[StepResult]:
-        """agent.step_envs here: an env that raises comes back as that call's error, exactly as in-process."""
-        return step_envs(self.envs, calls)
-
-    def init(self, tasks: list[Task], seed: int, agent: AgentConfig) -> tuple[list[Trajectory], list]:
-        """The pipeline's init stage: agent.init_episodes (env.reset, first prompts rendered and encoded)."""
-        return init_episodes(self.envs, tasks, self.tokenizer, agent, seed)
-
-    def finish(self, trajs: list[Trajectory], judge_weight: float) -> list[Trajectory]:
-        """The pipeline's evaluate stage: agent.finish_episodes (the judge, when judge_weight > 0)."""
-        return finish_episodes(self.envs, trajs, judge_weight)
-
-
-class EnvPool:
-    """A `step_many` for agent.play_episodes that spreads a turn's env steps over EnvWorker actors: contiguous
-    shards, one remote call per worker, results back in the calls' order. Env steps depend only on (state,
-    action), so the trajectories are the same as with in-process steps."""
-
-    def __init__(self, env_workers: list):
-        if not env_workers:
-            raise ValueError("EnvPool needs at least one EnvWorker")
-        self.workers = list(env_workers)
-
-    def __call__(self, calls: list[tuple[str, object, Action]]) -> list[StepResult]:
-        import ray
-        n = len(self.workers)
-        bounds = [len(calls) * k // n for k in range(n + 1)]
-        refs = [w.step.remote(calls[a:b]) for w, a, b in zip(self.workers, bounds, bounds[1:]) if b > a]
-        return [r for shard in _get(refs, "an EnvWorker") for r in shard]
-
-
-def make_placement_group(n: int, cpus: float, gpus: float = 0, strategy: str = "PACK", wait_s: float = 120):
-    """One bundle per worker ({"CPU": cpus}, plus {"GPU": gpus} when asked), reserved all at once.
-    PACK puts the bundles on as few nodes as possible (one machine: workers next to the learner); SPREAD puts
-    them on as many nodes as possible (a multi-node cluster: one worker per machine's GPUs). Raises when the
-    cluster cannot hold them within wait_s, rather than waiting for ever."""
-    import ray
-    from ray.util.placement_group import placement_group
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
-    if not pg.wait(wait_s):
-        ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"Ray cannot place {n} workers of {bundle} ({strategy}) in {wait_s:g} s; the cluster "
-                           f"has {ray.cluster_resources()}: lower ray.cpus_per_worker / gpus_per_worker or the "
-                           "worker count")
-    return pg
-
-
-def start_rollout_workers(spec: WorkerSpec, n: int, placement_group, first_bundle: int = 0) -> list:
-    """n RolloutWorker actors, worker i in bundle first_bundle + i of the placement group (its CPU and GPU share)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    bundles = placement_group.bundle_specs
-    workers = []
-    for i in range(n):
-        b = bundles[first_bundle + i]
-        strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=first_bundle + i)
-        workers.append(ray.remote(RolloutWorker).options(
-            num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), scheduling_strategy=strategy).remote(spec))
-    return workers
-
-
-def start_env_workers(envs: dict[str, Env], model_dir: str, n: int, cpus: float = 1) -> list:
-    """n EnvWorker actors of `cpus` CPUs each, placed wherever Ray finds room (they need no GPU)."""
-    import ray
-    return [ray.remote(EnvWorker).options(num_cpus=cpus).remote(envs, model_dir) for _ in range(n)]
-
-
-def push_weights(workers: list, state_dict: dict[str, torch.Tensor]) -> float:
-    """Send the learner's weights to every worker -> seconds taken. One ray.put: the workers of a node read
-    the same arrays in its object store (no copy per worker until the engine copies them in)."""
-    import ray
-    t0 = time.perf_counter()
-    ref = ray.put(NumpyWeights.from_torch(state_dict))
-    _get([w.update_weights.remote(ref) for w in workers], "a RolloutWorker")
-    return time.perf_counter() - t0
-
-
-@dataclass
-class DispatchStats:
-    """How one dispatch went; metrics() gives train.py's dispatch/* (see the README's metrics table)."""
-    kind: str                          # the dispatcher
-    wall_seconds: float                # first submit to last result
-    trajectories: int                  # episodes played
-    sampled_tokens: int                # tokens the engines sampled (loss-mask 1)
-    busy_seconds: list[float]          # per rollout worker: time spent playing episodes during the dispatch
-    chunks: int                        # units of work (chunk_groups task groups each)
-    max_in_flight: int                 # most chunks submitted and not yet finished at one time
-
-    @property
-    def idle_fraction(self) -> float:
-        """Mean over rollout workers of 1 - busy / wall: the share of the dispatch a worker waited."""
-        return sum(1 - b / max(self.wall_seconds, 1e-9) for b in self.busy_seconds) / max(len(self.busy_seconds), 1)
-
-    def metrics(self) -> dict[str, float]:
-        wall = max(self.wall_seconds, 1e-9)
-        return {"dispatch/wall_seconds": self.wall_seconds, "dispatch/trajectories_per_s": self.trajectories / wall,
-                "dispatch/tokens_per_s": self.sampled_tokens / wall, "dispatch/idle_fraction": self.idle_fraction,
-                "dispatch/busy_seconds_max": max(self.busy_seconds, default=0.0),
-                "dispatch/chunks": float(self.chunks), "dispatch/max_in_flight": float(self.max_in_flight)}
-
-
-def dispatch(kind: str, workers: list, tasks: list[Task], params: SamplingParams, seed: int,
-             judge_weight: float = 0.0, agent: AgentConfig | None = None, chunk_groups: int = 1,
-             max_in_flight: int = 0, env_workers: list = ()) -> tuple[list[Trajectory], DispatchStats]:
-    """Play every task's group on the rollout workers -> (trajectories group-major, as run_episodes would number
-    them, and DispatchStats). The unit of work is a chunk of `chunk_groups` tasks, played with
-    mix_seed(seed, first group). The dispatchers (the names of SkyRL's "Toy Math Agent" example):
-
-      async_batch          every chunk submitted at once, round-robin over the workers; wait for all.
-      async_batch_bounded  at most max_in_flight chunks in flight (0: one per worker); a worker that finishes
-                           gets the next chunk, so fast workers take more.
-      async_pipeline       init (EnvWorker: env.reset + prompts) -> run (RolloutWorker: generation and tool
-                           loop) -> evaluate (EnvWorker: the judge) as stages with queues between them, each on
-                           its own actors, so chunk i+1's init overlaps chunk i's run and chunk i-1's evaluate.
-                           Needs env_workers: the first half run init, the rest evaluate (one worker does both).
-                           At most max_in_flight chunks (0: two per worker) between init and evaluate.
-
-    `agent` overrides the workers' AgentConfig (eval: n_samples=1; the pipeline needs it to split the stages).
-    """
-    import ray
-    if kind not in DISPATCHERS:
-        raise ValueError(f"unknown dispatcher {kind!r}; choose from {list(DISPATCHERS)}")
-    if not workers:
-        raise ValueError("dispatch needs at least one RolloutWorker")
-    if chunk_groups < 1 or max_in_flight < 0:
-        raise ValueError(f"chunk_groups must be >= 1 and max_in_flight >= 0 (got {chunk_groups}, {max_in_flight})")
-    if kind == "async_pipeline" and (not env_workers or agent is None):
-        raise ValueError("async_pipeline needs env_workers (its init and evaluate stages) and the AgentConfig")
-    starts = list(range(0, len(tasks), chunk_groups))
-    chunks = [(first, tasks[first:first + chunk_groups], mix_seed(seed, first)) for first in starts]
-    busy0 = _get([w.busy_seconds.remote() for w in workers], "a RolloutWorker")
-    t0 = time.perf_counter()
-    if kind == "async_pipeline":
-        results, peak = _pipeline(workers, list(env_workers), chunks, params, judge_weight, agent,
-                                  max_in_flight or 2 * len(workers))
-    else:
-        bound = len(chunks) if kind == "async_batch" else (max_in_flight or len(workers))
-        results, peak = _bounded(workers, chunks, params, judge_weight, agent, bound)
-    wall = time.perf_counter() - t0
-    busy = [b - b0 for b, b0 in zip(_get([w.busy_seconds.remote() for w in workers], "a RolloutWorker"), busy0)]
-    trajs = [dataclasses.replace(t, group=t.group + first) for (first, _, _), part in zip(chunks, results)
-             for t in part]                                           # chunk-local group ids -> the batch's
-    stats = DispatchStats(kind, wall, len(trajs), sum(sum(t.loss_mask) for t in trajs), busy, len(chunks), peak)
-    return trajs, stats
-
-
-def _bounded(workers, chunks, params, judge_weight, agent, bound: int):
-    """async_batch (bound = every chunk) and async_batch_bounded: at most `bound` chunks in flight; the first
-    `bound` go round-robin, then each finished chunk's worker takes the next one -> (results by chunk, peak)."""
-    import ray
-    results = [None] * len(chunks)
-    in_flight, free, peak = {}, [], 0                                 # ref -> (chunk index, worker)
-
-    def collect_one():
-        (ref,), _ = ray.wait(list(in_flight), num_returns=1)
-        c, worker = in_flight.pop(ref)
-        results[c] = _get(ref, "a RolloutWorker")
-        free.append(worker)
-
-    for c, (_, tasks, seed) in enumerate(chunks):
-        if len(in_flight) >= bound:
-            collect_one()
-        worker = workers[c % len(workers)] if c < bound else free.pop(0)
-        in_flight[worker.run.remote(tasks, params, seed, judge_weight, agent)] = (c, worker)
-        peak = max(peak, len(in_flight))
-    while in_flight:
-        collect_one()
-    return results, peak
-
-
-def _pipeline(workers, env_workers, chunks, params, judge_weight, agent, bound: int):
-    """async_pipeline: three stages, each a queue of chunks waiting for a free actor of its stage. Objects go
-    from stage to stage through the object store (the driver holds refs only; an error of an early stage
-    surfaces when the chunk's evaluate result is fetched) -> (results by chunk, peak chunks in flight)."""
-    import ray
-    half = max(1, len(env_workers) // 2)
-    free = {"init": env_workers[:half], "run": list(workers), "evaluate": env_workers[half:] or env_workers[:]}
-    queued = {"init": list(range(len(chunks))), "run": [], "evaluate": []}   # chunk indices, in order
-    inputs = {}                                                       # chunk -> the refs its next stage takes
-    in_flight = {}                                                    # ref -> (stage, chunk, actor)
-    results, started, finished, peak = [None] * len(chunks), 0, 0, 0
-    while any(queued.values()) or in_flight:
-        for stage in ("evaluate", "run", "init"):                     # later stages first: finish what is started
-            while queued[stage] and free[stage] and (stage != "init" or started - finished < bound):
-                c, actor = queued[stage].pop(0), free[stage].pop(0)
-                _, tasks, seed = chunks[c]
-                if stage == "init":
-                    inputs[c] = actor.init.options(num_returns=2).remote(tasks, seed, agent)  # (trajs, states)
-                    ref, started = inputs[c][1], started + 1
-                elif stage == "run":
-                    ref = inputs[c] = actor.play.remote(*inputs[c], params, seed, agent)
-                else:
-                    ref = actor.finish.remote(inputs.pop(c), judge_weight)
-                in_flight[ref] = (stage, c, actor)
-                peak = max(peak, started - finished)
-        (ref,), _ = ray.wait(list(in_flight), num_returns=1)
-        stage, c, actor = in_flight.pop(ref)
-        free[stage].append(actor)
-        if stage == "evaluate":
-            results[c], finished = _get(ref, "an EnvWorker or a RolloutWorker"), finished + 1
-        else:
-            queued["run" if stage == "init" else "evaluate"].append(c)
-    return results, peak
-
-
-def _get(refs, who: str):
-    """ray.get, with a worker that died turned into an error that says so (not Ray's long actor traceback)."""
-    import ray
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayActorError as e:
-        raise RuntimeError(f"{who} died ({type(e).__name__}): its chunk of episodes is lost. Look for the cause "
-                           f"(out of memory, a crash in the engine) in the Ray logs; the run stops here") from e
-
-
-class RayEngine:
-    """Rollout workers (and env workers) seen by train.py as one engine: generate() samples on worker 0 (the
-    weight-sync gate's probe), update_weights() is push_weights to every worker, sleep()/wake_up() go to every
-    worker, and play() runs a batch of tasks through the configured dispatcher."""
-
-    def __init__(self, workers: list, env_workers: list, placement_group, dispatcher: str, chunk_groups: int,
-                 max_in_flight: int, agent: AgentConfig, owns_cluster: bool = False):
-        self.workers, self.env_workers, self.placement_group = workers, env_workers, placement_group
-        self.owns_cluster = owns_cluster   # shutdown() also stops Ray when the caller started it for us
-        self.dispatcher, self.chunk_groups, self.max_in_flight = dispatcher, chunk_groups, max_in_flight
-        self.agent = agent
-        self.push_seconds = 0.0        # the last push's, logged as dispatch/push_seconds
-
-    def play(self, tasks: list[Task], params: SamplingParams, seed: int, judge_weight: float = 0.0,
-             agent: AgentConfig | None = None) -> tuple[list[Trajectory], DispatchStats]:
-        """rollout.dispatch with the configured dispatcher -> (trajectories group-major, stats)."""
-        return dispatch(self.dispatcher, self.workers, tasks, params, seed, judge_weight, agent or self.agent,
-                        self.chunk_groups, self.max_in_flight, self.env_workers)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Worker 0's engine.generate (the weight-sync gate's probe: every worker got the same push)."""
-        return _get(self.workers[0].generate.remote(prompts, params), "RolloutWorker 0")
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor]):
-        """push_weights to every worker; its seconds are kept in push_seconds."""
-        self.push_seconds = push_weights(self.workers, state_dict)
-
-    def sleep(self):
-        """Every worker's engine sleeps (GPU memory freed for the learner; a no-op on CPU)."""
-        _get([w.sleep.remote() for w in self.workers], "a RolloutWorker")
-
-    def wake_up(self):
-        """Every worker's engine wakes up."""
-        _get([w.wake_up.remote() for w in self.workers], "a RolloutWorker")
-
-    def shutdown(self):
-        """Stop the actors and free their placement group; then Ray itself, if it was started for this engine."""
-        import ray
-        for actor in self.workers + self.env_workers:
-            ray.kill(actor)
-        ray.util.remove_placement_group(self.placement_group)
-        if self.owns_cluster:
-            ray.shutdown()

@@ -32,11 +32,12 @@ import time
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from agent import CHAT_TEMPLATES, SamplingParams, render
-from eval import evaluate, heldout_tasks
+from agent import pad_right, run_episodes
+from chat import encode, render
+from env import make_env
 from learner import LearnerConfig, make_learner, sft_step
 from model import ModelConfig, init_model, save_model
-from rollout import TorchEngine
+from rollout import SamplingParams, make_engine
 
 # Qwen2's special tokens, in Qwen's order, so that ids line up with the family's conventions.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
@@ -61,10 +62,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return tok
-
-
-def encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: Tokenizer,
@@ -114,7 +111,6 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     out = os.path.join(cfg.model.cache_dir, default_model_dir(cfg, sft))
     if os.path.exists(os.path.join(out, "sft_log.json")):
         return out
-    from env import make_env
     t0 = time.time()
     rng = random.Random(sft.seed)
     torch.manual_seed(sft.seed)
@@ -147,8 +143,9 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     model = init_model(mcfg, seed=sft.seed)
     lcfg = LearnerConfig(lr=sft.lr, warmup_steps=20, micro_batch_size=sft.batch_size)
     state = make_learner(model, lcfg, seed=sft.seed)
-    engine = TorchEngine(model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
-    eval_tasks = heldout_tasks(envs, {e.name: max(1, sft.eval_size // len(envs)) for e in cfg.envs}, sft.seed + 1)
+    engine = make_engine("torch", out, pad_id=pad_id, model=model, max_batch_size=cfg.rollout.max_batch_size)
+    eval_tasks = [t for e in cfg.envs for t in envs[e.name].sample_tasks("test", max(1, sft.eval_size // len(envs)),
+                                                                        sft.seed + 1)]
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_tokens, seed=sft.seed)
 
@@ -160,20 +157,18 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
             rng.shuffle(order)                                    # a new epoch
         start = (step - 1) * sft.batch_size % len(order)
         rows = [seqs[i] for i in order[start:start + sft.batch_size]]
-        T = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)   # (B, T)
-        loss_mask = torch.zeros(len(rows), T)                              # (B, T)
-        for i, (ids, m) in enumerate(rows):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            loss_mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
+        input_ids = pad_right([ids for ids, _ in rows], pad_id, torch.long)               # (B, T)
+        loss_mask = pad_right([m for _, m in rows], 0.0, torch.float)                      # (B, T)
         state, metrics = sft_step(state, input_ids, loss_mask, lcfg)
         if step % sft.eval_every == 0 or step == sft.max_steps:
-            em, _ = evaluate(engine, envs, eval_tasks, tokenizer, agent_cfg, params, seed=sft.seed)
-            history.append({"step": step, "loss": metrics["sft/loss"], "accuracy": em["eval/accuracy"],
+            trajs = run_episodes(engine, envs, eval_tasks, tokenizer, dataclasses.replace(agent_cfg, n_samples=1),
+                                 params, seed=sft.seed)
+            accuracy = sum(t.reward for t in trajs) / len(trajs)   # every env holds out as many tasks
+            history.append({"step": step, "loss": metrics["sft/loss"], "accuracy": accuracy,
                             "seconds": time.time() - t0})
             log(f"[sft] step {step} loss {metrics['sft/loss']:.3f} sampled held-out accuracy "
-                f"{em['eval/accuracy']:.3f} ({time.time() - t0:.0f} s)")
-            if em["eval/accuracy"] >= sft.target_accuracy:
+                f"{accuracy:.3f} ({time.time() - t0:.0f} s)")
+            if accuracy >= sft.target_accuracy:
                 break
 
     # --- write the Hugging Face folder (atomically: build in a temp dir, then rename)
@@ -192,6 +187,9 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
 def write_tokenizer_files(tokenizer: Tokenizer, path: str, chat_format: str) -> None:
     """tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json, as
     Qwen2 checkpoints have them, so transformers and vLLM load the folder like any Qwen model."""
+    if chat_format != "qwen2.5":
+        raise ValueError(f"the embedded default model is written with chat_format 'qwen2.5' (its jinja template "
+                         f"is QWEN25_CHAT_TEMPLATE), not {chat_format!r}")
     os.makedirs(path, exist_ok=True)
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     added = {str(tokenizer.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -201,9 +199,80 @@ def write_tokenizer_files(tokenizer: Tokenizer, path: str, chat_format: str) -> 
                    "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                    "unk_token": None, "model_max_length": 2048, "clean_up_tokenization_spaces": False,
                    "split_special_tokens": False, "errors": "replace",
-                   "chat_template": CHAT_TEMPLATES[chat_format]}, f, indent=2, ensure_ascii=False)
+                   "chat_template": QWEN25_CHAT_TEMPLATE}, f, indent=2, ensure_ascii=False)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
                    "eos_token_id": [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")],
                    "pad_token_id": tokenizer.token_to_id("<|endoftext|>"), "do_sample": True,
                    "temperature": 1.0, "top_p": 1.0}, f, indent=2)
+
+
+# -----------------------------------------------------------------------------
+# the chat template written with the default model
+
+# Jinja template of chat.py's "qwen2.5" format, written to tokenizer_config.json ("chat_template") of the default
+# model so that transformers' apply_chat_template gives the same string as chat.render(). It is Qwen2.5's ChatML tool
+# template, with one change borrowed from Qwen3's: arguments given as a JSON string are written as they
+# are (Qwen2.5 would JSON-encode the string a second time).
+QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content if message.content is string else '' %}
+        {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""

@@ -1,470 +1,361 @@
-"""train.py: RL training of a tool-using LLM agent, top to bottom.
+"""train.py: RL training of a tool-using LLM agent, the loop top to bottom.
 
     python train.py --config configs/toy_math.yaml [key.sub=value ...]
-    torchrun --nproc_per_node 2 train.py --config configs/toy_math.yaml [key.sub=value ...]
-    ray job submit -- python train.py --config configs/toy_math.yaml ray.learner_workers=2 [key.sub=value ...]
 
-config -> build (model, tokenizer, envs, engine, learner) -> loop:
-    sample prompts -> rollouts (n per prompt, multi-turn, tools) -> rewards -> group advantages
-    -> policy update -> push weights to the engine -> weight-sync gate -> eval every k steps -> log -> checkpoint
+The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS), each step:
+  1. rollouts      prompts_per_step tasks, n_samples episodes each (a group), multi-turn with tools, token-exact
+                   (agent.py). DAPO's dynamic sampling drops groups whose rewards are all equal and samples more.
+  2. advantages    compute_advantages: the episode reward (+ DAPO's overlong penalty, - a KL to the reference
+                   when algo.kl_in_reward), then a group baseline broadcast to the episode's sampled tokens (GRPO,
+                   Dr.GRPO, RLOO), or GAE over a critic's values (PPO). It also scores the batch before the update:
+                   the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
+  3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
+                   A batch in which no group has mixed rewards has zero advantages: it is skipped.
+  4. push + gate   the new weights go to the engine, which then continues a few trajectories while the learner
+                   scores the same tokens: their log-probs must agree (rollout.py's weight-sync gate) or the run stops.
+  5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
-The engine (rollout.engine=torch|vllm) keeps its own copy of the weights, refreshed by a push after every
-update; the gate then checks that it really runs them (rollout.py: sync_probe, logprob_gap, assert_synced)
-and stops the run if not. Under torchrun rank 0 samples the probe with its engine and every rank scores it.
+Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
+episode (a multi-turn episode is one "response" with the observations masked out); batches without signal are
+skipped, not stepped with a zero gradient.
 
-With rollout.async_rollouts the engine generates the next step's batch in a background thread while the
-learner trains on this one (one-step off-policy, corrected by truncated importance sampling: learner.tis_cap).
-
-With `model.path: default` (the default) the embedded tiny model is built first (sft.py: tokenizer, tiny
-Qwen2, SFT warm start) and cached. Everything random is derived from `seed` and the step number, so a
-resumed run repeats exactly what an uninterrupted one would have done.
+Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
+workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples step k+1's
+batch while the learner trains on batch k (Prefetcher). Under torchrun every rank runs this main(): rank 0 alone
+plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4). Every random
+draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
 Outputs in runs/<run_name>/: config.yaml (resolved), metrics.jsonl (one JSON object per step),
-episodes_step<N>.jsonl (held-out episodes), curves.png (reward and held-out accuracy), checkpoints,
-and wandb/ (offline unless WANDB_MODE says otherwise). Shapes: B sequences, T tokens, G group size.
-
-Under torchrun (N processes): every rank builds the same model and the learner shards it (FSDP2,
-learner.shard_model). Rank 0 alone owns the inference engine and the envs: it generates each step's
-rollouts exactly as one process would (same seeds) and broadcasts the batch; every rank then computes the
-same advantages and takes its share of the rows in the update (learner.py, point 4), so a run is
-deterministic and its updates equal a single process's. Rank 0 alone evaluates, logs and writes
-checkpoints; the engine push gathers the full (LoRA-merged) state dict onto rank 0. The design is the
-simplest correct one, and it scales the learner only: rollouts run on one rank while the others wait
-(rank-parallel rollouts would need one engine per rank and a gather of the trajectories).
-
-Under Ray (`ray.learner_workers=N`, launch_on_ray): this process only places N actors, and each actor runs
-main(cfg) as one of N ranks, exactly as torchrun's processes do; the process group, the sharding and the
-loop are the same, so the two launchers log the same records.
-
-With ray.rollout_workers > 0, rank 0 starts (or joins, ray.address) a Ray cluster and N RolloutWorker actors,
-each with its own engine, in a placement group (rollout.py, section "Ray"). They play the rollouts and the
-held-out evals through the dispatcher of ray.dispatcher (dispatch/* metrics); the push after each update is
-one object-store put read by all of them (rollout.push_weights), and the gate samples its probe on worker 0.
-With 0 (the default) Ray is never imported and everything runs in this process as described above.
+episodes_step<N>.jsonl (held-out episodes), curves.png, checkpoints/step_<N>/, final/, wandb/ (offline by default).
+Shapes: B episodes in a batch, T tokens, G group size.
 """
 import argparse
 import copy
-import json
 import os
-import pickle
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
-import yaml
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 import algos
-from agent import SamplingParams, rollout_metrics, run_episodes, to_batch
-from config import Config, load_config, to_dict
-from env import make_env, mix_seed
-from eval import dump_episodes, eval_metrics, evaluate, heldout_tasks
-from learner import (Critic, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object, cleanup_distributed,
-                     compute_logprobs, compute_values, critic_step, init_distributed, is_main, load_checkpoint,
-                     make_learner, merged_state_dict, save_checkpoint, save_merged, shard_model, train_step)
+from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
+from cluster import launch_on_ray, start_ray_rollouts
+from config import Config, engine_options, load_config
+from env import make_env, mix_seed, sample_mixture
+from eval import dump_episodes, evaluate, heldout_tasks
+from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object,
+                     cleanup_distributed, compute_logprobs, compute_values, critic_step, init_distributed, is_main,
+                     load_checkpoint, make_learner, merged_state_dict, shard_model, train_step)
 from model import load_model
-from plot import save_curves
-from rollout import (RayEngine, TorchEngine, VLLMEngine, WorkerSpec, assert_synced, logprob_gap,
-                     make_placement_group, start_env_workers, start_rollout_workers, sync_probe)
-from sft import build_default_model
+from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
+from runs import Logger, finish_run, load_pending, save_run_checkpoint, write_config
 
-
-PENDING = "pending_rollouts.pkl"                   # async mode: the next step's rollouts, saved with a checkpoint
-
-
-# What each random draw of a step is for: its seed is mix_seed(run seed, step, purpose, refill round).
+# What each random draw of a step is for: its seed is mix_seed(run seed, step, purpose[, refill round]).
 SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3
 
 
-def sample_train_tasks(envs: dict, specs: list, n: int, seed: int) -> list:
-    """n training tasks, split across envs by weight (largest remainders get the leftover prompts)."""
-    total = sum(s.weight for s in specs)
-    quotas = [n * s.weight / total for s in specs]
-    counts = [int(q) for q in quotas]
-    for i in sorted(range(len(specs)), key=lambda i: counts[i] - quotas[i])[: n - sum(counts)]:
-        counts[i] += 1
-    tasks = []
-    for i, (s, c) in enumerate(zip(specs, counts)):
-        if c:
-            tasks += envs[s.name].sample_tasks("train", c, seed + i)
-    return tasks
+# -----------------------------------------------------------------------------
+# 1. rollouts
 
+def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list, dict]:
+    """prompts_per_step groups of n_samples episodes -> (trajectories group-major, rollout/* and dispatch/* metrics).
 
-def collect_rollouts(cfg: Config, engine, envs: dict, tokenizer, step: int):
-    """prompts_per_step groups of n_samples episodes -> (trajectories, rounds used, dispatch/* metrics of the
-    last round: empty unless the engine is a RayEngine, whose workers play the episodes through a dispatcher).
-
-    With algo.dynamic_sampling (DAPO), groups whose rewards are all equal carry no GRPO signal: they are
-    dropped and more prompts are sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
+    With algo.dynamic_sampling (DAPO), groups whose rewards are all equal carry no group-advantage signal: they
+    are dropped and more prompts are sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.agent.n_samples
+    # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_tokens=cfg.rollout.max_tokens)
     kept: list = []
-    rounds = 0
     for r in range(1 + (cfg.algo.max_refill_rounds if cfg.algo.dynamic_sampling else 0)):
-        rounds += 1
-        tasks = sample_train_tasks(envs, cfg.envs, want, mix_seed(cfg.seed, step, SEED_TASKS, r))
-        # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_tokens=cfg.rollout.max_tokens)
-        seed = mix_seed(cfg.seed, step, SEED_EPISODES, r)
-        if isinstance(engine, RayEngine):
-            trajs, stats = engine.play(tasks, params, seed, judge_weight=cfg.rollout.judge_weight)
-            dispatch_metrics = stats.metrics()
-        else:
-            trajs = run_episodes(engine, envs, tasks, tokenizer, cfg.rollout.agent, params, seed,
-                                 judge_weight=cfg.rollout.judge_weight)
-            dispatch_metrics = {}
+        tasks = sample_mixture(envs, [(e.name, e.weight) for e in cfg.envs], "train", want,
+                               mix_seed(cfg.seed, step, SEED_TASKS, r))
+        trajs, dispatch_metrics = rollouts.play(tasks, params, mix_seed(cfg.seed, step, SEED_EPISODES, r),
+                                                judge_weight=cfg.rollout.judge_weight)
         groups = [trajs[i:i + G] for i in range(0, len(trajs), G)]                     # group-major
-        if cfg.algo.dynamic_sampling:
-            kept += [g for g in groups if len({t.reward for t in g}) > 1]
-        else:
-            kept += groups
+        mixed = mixed_groups(trajs, G) if cfg.algo.dynamic_sampling else [True] * len(groups)
+        kept += [g for g, m in zip(groups, mixed) if m]
         if len(kept) >= want:
             break
     if not kept:                                     # nothing informative: keep the last round, skip_uniform decides
         kept = groups
-    return [t for g in kept[:want] for t in g], rounds, dispatch_metrics
+    trajs = [t for g in kept[:want] for t in g]
+    return trajs, {**rollout_metrics(trajs, G), "rollout/rounds": r + 1, **dispatch_metrics}
 
 
-def build_engine(cfg: Config, model_dir: str, engine_model, weights: dict | None, pad_id: int):
-    """The rollout engine (rank 0's), holding its own copy of the learner's weights: `engine_model` (a copy of
-    the base model, torch engine) or the folder vLLM loads, then `weights` when the learner is not the base
-    (a resumed run; LoRA's merged weights)."""
-    if cfg.rollout.engine == "vllm":
-        r = cfg.rollout
-        engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, cache_dir=cfg.model.cache_dir,
-                            max_model_len=r.agent.max_total_tokens + max(r.max_tokens, r.sync_check_tokens),
-                            max_num_seqs=r.max_batch_size, gpu_memory_utilization=r.gpu_memory_utilization)
-    else:
-        engine = TorchEngine(engine_model, pad_id=pad_id, max_batch_size=cfg.rollout.max_batch_size)
-    if weights is not None:
-        engine.update_weights(weights)
-    return engine
+class Prefetcher:
+    """Where each step's batch comes from: sampled when the step begins, from the current weights; or, with
+    rollout.async_rollouts, sampled in a background thread from the weights before update k while the learner
+    trains on batch k (one step off-policy, corrected by learner.tis_cap). A batch's `version` is the number of
+    updates its weights had seen: rollout/staleness = updates between those weights and the ones it trains."""
+
+    def __init__(self, collect, steps: int, enabled: bool, pending=None):
+        self.collect, self.steps = collect, steps     # collect(step) -> (trajectories, metrics)
+        self.pool = ThreadPoolExecutor(max_workers=1) if enabled else None
+        self.pending = pending                        # (trajectories, metrics, seconds, version) of the next step
+        self.future = None
+
+    def _timed(self, step: int):
+        t0 = time.time()
+        return (*self.collect(step), time.time() - t0)
+
+    def take(self, step: int) -> tuple[list, dict, float]:
+        """This step's (trajectories, metrics, the engine's seconds for them); in async mode it then starts the next
+        step's batch, from the weights as they are now."""
+        trajs, metrics, seconds, version = self.pending or (*self._timed(step), step - 1)
+        self.pending = None
+        if self.pool is not None and step < self.steps:
+            self.future = self.pool.submit(self._timed, step + 1)
+        return trajs, {**metrics, "rollout/staleness": step - 1 - version}, seconds
+
+    def wait(self, step: int) -> dict:
+        """Block until the next batch is sampled (before the push changes the engine's weights)."""
+        if self.future is None:
+            return {}
+        t0 = time.time()
+        self.pending, self.future = (*self.future.result(), step - 1), None
+        return {"perf/rollout_wait_seconds": time.time() - t0}   # the rollout time the update did not hide
+
+    def shutdown(self):
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
-def start_ray_engine(cfg: Config, model_dir: str, envs: dict, weights: dict | None) -> RayEngine:
-    """ray.rollout_workers RolloutWorkers (and ray.env_workers EnvWorkers) on the Ray cluster at ray.address, or on
-    a local one started here, then `weights` pushed when the learner is not the base model (see build_engine)."""
-    try:
-        import ray
-    except ImportError:
-        raise RuntimeError("ray.rollout_workers > 0 needs Ray installed (pip install 'ray>=2.60'), or set "
-                           "ray.rollout_workers=0 to play the episodes in this process") from None
-    owns_cluster = not ray.is_initialized()       # a test, or a script, may have started it already
-    if owns_cluster:
-        ray.init(address=cfg.ray.address or None, include_dashboard=False)
-    r, rc = cfg.ray, cfg.rollout
-    engine_kwargs = {"max_batch_size": rc.max_batch_size}
-    if rc.engine == "vllm":
-        engine_kwargs = dict(seed=cfg.seed, cache_dir=cfg.model.cache_dir, max_num_seqs=rc.max_batch_size,
-                             max_model_len=rc.agent.max_total_tokens + max(rc.max_tokens, rc.sync_check_tokens),
-                             gpu_memory_utilization=rc.gpu_memory_utilization)
-    spec = WorkerSpec(model_dir=os.path.abspath(model_dir), envs=[(e.name, e.kwargs) for e in cfg.envs],
-                      agent=rc.agent, engine=rc.engine, engine_kwargs=engine_kwargs, dtype=cfg.model.dtype,
-                      threads=max(1, int(r.cpus_per_worker)))
-    pg = make_placement_group(r.rollout_workers, r.cpus_per_worker, r.gpus_per_worker, r.placement_strategy)
-    workers = start_rollout_workers(spec, r.rollout_workers, pg)
-    env_workers = start_env_workers(envs, spec.model_dir, r.env_workers, r.cpus_per_env_worker)
-    engine = RayEngine(workers, env_workers, pg, r.dispatcher, r.chunk_groups, r.max_in_flight, rc.agent,
-                       owns_cluster)
-    if env_workers:
-        ray.get([w.use_env_workers.remote(env_workers) for w in workers])
-    if weights is not None:
-        engine.update_weights(weights)
-    return engine
+# -----------------------------------------------------------------------------
+# 2. advantages (algorithm code: algos.py has the equations and the papers)
+
+def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, critic: LearnerState | None
+                       ) -> tuple[TrainBatch, ValueBatch | None, dict, bool]:
+    """Rewards -> per-token advantages, and what the update scores against -> (TrainBatch, ValueBatch or None,
+    metrics, whether any advantage is non-zero). The one owner of the log-probs before the update: the learner's
+    (pi_old) and the reference policy's (for the KL, in the reward or in the loss)."""
+    lc, G, mask, metrics = cfg.learner, cfg.rollout.agent.n_samples, batch.loss_mask, {}
+    rewards = batch.rewards.clone()                                                # (B,)
+    if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
+        rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
+    ref = None
+    if lc.kl_coef > 0:
+        ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                               lc.logprob_chunk_size, mask)                        # (B, T)
+    old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                           lc.logprob_chunk_size, mask)                            # (B, T) pi_old
+    token_kl = None
+    if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
+        token_kl = algos.kl_penalty(old, ref, lc.kl_kind) * mask                   # (B, T)
+        metrics["train/reward_kl"] = float(token_kl.sum(1).mean())
+    values = None
+    if cfg.algo.advantage == "gae":                                                # PPO: a critic's baseline
+        token_rewards = torch.zeros_like(mask)                                     # (B, T)
+        last = (mask * torch.arange(mask.shape[1])).argmax(1)                      # (B,) last generated token
+        token_rewards[torch.arange(len(rewards)), last] = rewards                  # reward on the last token
+        if token_kl is not None:
+            token_rewards -= lc.kl_coef * token_kl
+        old_values = compute_values(critic.model, batch.input_ids, lc.micro_batch_size)  # (B, T)
+        adv, returns = algos.compute_gae(token_rewards, old_values, mask, cfg.algo.gamma, cfg.algo.lam)  # (B, T) x2
+        adv = algos.whiten(adv, mask)
+        values = ValueBatch(batch.input_ids, mask, old_values, returns)
+        informative = True
+    else:                                                                          # a group baseline
+        if token_kl is not None:
+            rewards -= lc.kl_coef * token_kl.sum(1)
+        adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
+        informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+    loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
+    return TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref), values, metrics, informative
 
 
-def sync_threshold(cfg: Config) -> float:
-    """rollout.sync_max_logprob_diff, or its default for the dtype (see config.py)."""
-    if cfg.rollout.sync_max_logprob_diff is not None:
-        return cfg.rollout.sync_max_logprob_diff
-    return 1e-3 if cfg.model.dtype == "float32" else 0.5
+# -----------------------------------------------------------------------------
+# 4. push + gate, and 5. eval (logs and checkpoints: runs.py)
 
-
-def timed(fn, *args):
-    """fn(*args) -> (*its result, seconds it took): collect_rollouts' time when it runs in a background thread."""
-    t = time.time()
-    out = fn(*args)
-    return (*out, time.time() - t)
-
-
-class Logger:
-    """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step.
-    On ranks other than 0 (`enabled=False`) it writes nothing."""
-
-    def __init__(self, run_dir: str, cfg: Config, resume: bool, enabled: bool = True):
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w") if enabled else None
-        self.wandb = None
-        if cfg.wandb and enabled:
-            os.environ.setdefault("WANDB_MODE", "offline")
-            os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, dir=run_dir,
-                                    config=to_dict(cfg), resume="allow")
-
-    def log(self, step: int, metrics: dict):
-        if self.file is None:
-            return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-
-    def finish(self):
-        if self.file is not None:
-            self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def main(cfg: Config) -> dict:
-    # -------------------------------------------------------------------------
-    # setup
-    t_start = time.time()
-    if cfg.rollout.engine == "openai":
-        raise ValueError(f"rollout.engine={cfg.rollout.engine!r} cannot train: its weights cannot be pushed "
-                         "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    rank, world = init_distributed()              # (0, 1) for `python train.py`; torchrun sets the rest
-    torch.manual_seed(cfg.seed)
-    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, step: int) -> dict:
+    """The weight-sync gate, after a push: rank 0's engine continues the longest trajectory of a few groups by
+    sync_check_tokens, and every rank's learner scores those tokens (a sharded forward needs them all); a
+    log-prob gap past the threshold stops the run."""
+    probe = None
     if is_main():
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        longest = sorted(trajs[::cfg.rollout.agent.n_samples], key=lambda t: len(t.token_ids), reverse=True)
+        params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.sync_check_tokens,
+                                seed=mix_seed(cfg.seed, step, SEED_SYNC_PROBE))
+        probe = sync_probe(rollouts, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
+    prompts, gens, temperature = broadcast_object(probe)
+    threshold = cfg.rollout.sync_max_logprob_diff
+    threshold = default_sync_threshold(cfg.model.dtype) if threshold is None else threshold
+    gap = logprob_gap(policy.model, prompts, gens, temperature)
+    return {"sync/logprob_abs_diff": assert_synced(gap, threshold, len(gens))}
 
-    # -------------------------------------------------------------------------
-    # model, tokenizer, envs, engine, learner
-    if cfg.model.path == "default" and is_main():
-        build_default_model(cfg)                  # rank 0 builds (or finds) the cached model ...
-    barrier()                                     # ... the other ranks then find it cached
-    model_dir = build_default_model(cfg) if cfg.model.path == "default" else cfg.model.path
-    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    pad_id = tokenizer.token_to_id("<|endoftext|>")
-    dtype = getattr(torch, cfg.model.dtype)
-    model = load_model(model_dir, dtype=dtype)
+
+def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -> dict:
+    """One episode per held-out task (greedy unless eval_temperature), dumped to episodes_step<step>.jsonl."""
+    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
+                            max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
+    t0 = time.time()
+    metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed)
+    dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
+    return {**metrics, "perf/eval_seconds": time.time() - t0}
+
+
+# -----------------------------------------------------------------------------
+# building the learner and the rollout source
+
+def model_folder(cfg: Config) -> str:
+    """model.path, or the embedded default model: rank 0 builds it (sft.py) or finds it cached, then the others."""
+    if cfg.model.path != "default":
+        return cfg.model.path
+    from sft import build_default_model          # another entry point: imported only when it has work to do
+    if is_main():
+        build_default_model(cfg)
+    barrier()
+    return build_default_model(cfg)
+
+
+def build_learner(cfg: Config, model_dir: str) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
+    """-> (the policy's learner state, PPO's critic or None, a plain copy of the base model for an in-process
+    torch engine or None). The reference, the critic and the engine start from the base model; LoRA wraps only
+    the policy, and sharding (torchrun) happens after. A resumed run's states are loaded here."""
+    model = load_model(model_dir, dtype=getattr(torch, cfg.model.dtype))
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
-    # with the KL in the reward, the loss must not count it a second time
-    learner_cfg = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
-    critic_state, critic_cfg = None, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
+    learner_cfg, critic_cfg = learner_configs(cfg)
+    critic = None
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
-        critic_state = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
-    # --- LoRA and sharding (learner.py): the engine, the reference and the critic get the plain base model
+        critic = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
     in_process = is_main() and cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers
     engine_model = copy.deepcopy(model).eval() if in_process else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
     model = shard_model(model, learner_cfg)           # one process: unchanged
-    if ref_model is not None:
-        ref_model = shard_model(ref_model, learner_cfg)
-    state = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
+    ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
+    policy = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
     if cfg.resume:
-        state = load_checkpoint(state, cfg.resume)
-        if critic_state is not None:
-            critic_state = load_checkpoint(critic_state, os.path.join(cfg.resume, "critic"))
-    # The engine keeps its own copy of the weights, refreshed after every update through update_weights,
-    # whatever the engine: the loop never depends on sharing memory with it. Only rank 0 has one (and the
-    # envs): it generates every rollout.
-    weights = merged_state_dict(state.model) if cfg.resume or cfg.learner.lora_rank else None
-    engine = envs = eval_tasks = None
+        policy = load_checkpoint(policy, cfg.resume)
+        if critic is not None:
+            critic = load_checkpoint(critic, os.path.join(cfg.resume, "critic"))
+    return policy, critic, engine_model
+
+
+def learner_configs(cfg: Config) -> tuple:
+    """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
+    policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
+    return policy, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
+
+
+def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_model, weights: dict | None):
+    """Rank 0's rollout source: Ray workers (ray.rollout_workers), else the agent loop around an engine built here.
+    Either keeps its own copy of the weights, `weights` pushed first when the learner is not the base model (a
+    resumed run; LoRA's merged weights), then after every update."""
+    if cfg.ray.rollout_workers:
+        return start_ray_rollouts(cfg, model_dir, envs, engine_options(cfg), weights)
+    engine = make_engine(cfg.rollout.engine, model_dir, pad_id=tokenizer.token_to_id("<|endoftext|>"),
+                         model=engine_model, **engine_options(cfg))
+    if weights is not None:
+        engine.update_weights(weights)
+    return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
+
+
+# -----------------------------------------------------------------------------
+# the loop
+
+def main(cfg: Config) -> dict:
+    # --- setup
+    t_start = time.time()
+    if cfg.rollout.engine == "openai":
+        raise ValueError(f"rollout.engine={cfg.rollout.engine!r} cannot train: its weights cannot be pushed "
+                         "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _, world = init_distributed()                 # (0, 1) for `python train.py`; torchrun sets the rest
+    torch.manual_seed(cfg.seed)
+    run_dir = write_config(cfg) if is_main() else os.path.join(cfg.out_dir, cfg.run_name)
+
+    # --- build: model, tokenizer, learner; on rank 0 the envs, the rollout source and the held-out tasks
+    model_dir = model_folder(cfg)
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    pad_id = tokenizer.token_to_id("<|endoftext|>")
+    policy, critic, engine_model = build_learner(cfg, model_dir)
+    weights = merged_state_dict(policy.model) if cfg.resume or cfg.learner.lora_rank else None  # every rank joins
+    rollouts = envs = eval_tasks = None
     if is_main():
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
-        if cfg.ray.rollout_workers:               # the episodes are played by Ray workers, each with its own engine
-            engine = start_ray_engine(cfg, model_dir, envs, weights)
-        else:
-            engine = build_engine(cfg, model_dir, engine_model, weights, pad_id)
+        rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model, weights)
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
-    agent_cfg = cfg.rollout.agent
-    G = agent_cfg.n_samples
-
-    def run_eval(step: int) -> dict:
-        params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
-                                max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
-        t0 = time.time()
-        if isinstance(engine, RayEngine):             # one episode per held-out task, no judge, as evaluate() plays
-            trajs, _ = engine.play([t for name in eval_tasks for t in eval_tasks[name]], params, cfg.eval_seed,
-                                   agent=replace(agent_cfg, n_samples=1))
-            m = eval_metrics(eval_tasks, trajs)
-        else:
-            m, trajs = evaluate(engine, envs, eval_tasks, tokenizer, agent_cfg, params, cfg.eval_seed)
-        dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
-        return {**m, "perf/eval_seconds": time.time() - t0}
-
-    def checkpoint(name: str, pending=None):
-        """Every rank calls it (weights are gathered), rank 0 writes. A LoRA run writes its adapter (PEFT
-        files) and, in `final/merged/`, the merged model that eval.py loads."""
-        path = os.path.join(run_dir, name)
-        save_checkpoint(state, path, extra={"run_name": cfg.run_name}, base_model=model_dir)
-        if critic_state is not None:
-            save_checkpoint(critic_state, os.path.join(path, "critic"))
-        folders = [path]
-        if cfg.learner.lora_rank and name == "final":
-            save_merged(state.model, os.path.join(path, "merged"))
-            folders.append(os.path.join(path, "merged"))
-        for folder in folders if is_main() else []:
-            for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-                shutil.copy(os.path.join(model_dir, f), folder)
-        if pending is not None and is_main():      # async: the next step's batch, already generated from the
-            with open(os.path.join(path, PENDING), "wb") as f:  # previous weights, which no checkpoint holds
-                pickle.dump(pending, f)
-
+    learner_cfg, critic_cfg = learner_configs(cfg)
     logger = Logger(run_dir, cfg, resume=bool(cfg.resume), enabled=is_main())
     history = []                                   # (step, metrics) of this process, for the plot
-    start = state.step if cfg.resume else 0
-    # async (one-step off-policy): `pending` is the next step's rollouts, generated in a background thread
-    # while the learner trains; `version` of a batch = the RL steps its weights had taken (staleness: see below)
-    pool = ThreadPoolExecutor(max_workers=1) if cfg.rollout.async_rollouts and is_main() else None
-    pending = None                   # (trajs, rounds, dispatch metrics, seconds, version) ready for the next step
-    if cfg.resume and pool is not None and os.path.exists(os.path.join(cfg.resume, PENDING)):
-        with open(os.path.join(cfg.resume, PENDING), "rb") as f:
-            pending = pickle.load(f)
+    start = policy.step if cfg.resume else 0
+    pending = load_pending(cfg.resume) if cfg.resume and cfg.rollout.async_rollouts else None
+    prefetch = Prefetcher(lambda step: collect_rollouts(cfg, rollouts, envs, step), cfg.steps,
+                          cfg.rollout.async_rollouts and is_main(), pending)
     if start == 0 and is_main():
-        m = run_eval(0)
-        logger.log(0, m)
-        history.append((0, m))
-        print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
+        history.append((0, logger.log(0, run_eval(cfg, rollouts, eval_tasks, run_dir, 0))))
+        print(f"step 0: held-out accuracy {history[0][1]['eval/accuracy']:.3f}", flush=True)
 
-    # -------------------------------------------------------------------------
-    # the RL loop
+    # --- the RL loop
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True,
                disable=not is_main())
     for step in bar:
         t0 = time.time()
-        # --- rollouts: n samples per prompt, multi-turn with tools, token-exact trajectories (rank 0), then
-        #     the batch goes to every rank
-        batch, metrics, future = None, {}, None
-        if is_main():
-            if pending is None:
-                trajs, rounds, dispatch_metrics = collect_rollouts(cfg, engine, envs, tokenizer, step)
-                version, t_gen = step - 1, time.time() - t0
-            else:                                  # async: generated in the background during the last update
-                (trajs, rounds, dispatch_metrics, t_gen, version), pending = pending, None
-            if pool is not None and step < cfg.steps:   # the next batch, from the current (pre-update) weights
-                future = pool.submit(timed, collect_rollouts, cfg, engine, envs, tokenizer, step + 1)
-            batch = to_batch(trajs, pad_id)
-            # staleness: updates between the weights that sampled the batch and those it trains (0 on-policy;
-            # 1 in async mode, where every sample of a batch comes from the same weights)
-            metrics = {**rollout_metrics(trajs), "rollout/rounds": rounds, **dispatch_metrics,
-                       "rollout/staleness": step - 1 - version}
-        batch = broadcast_object(batch)
-        t_rollout = time.time() - t0
+        # 1. rollouts: rank 0 plays them (or takes the batch prefetched during the last update); every rank gets it
+        trajs, metrics, t_rollout = prefetch.take(step) if is_main() else ([], {}, 0.0)
+        batch = broadcast_object(to_batch(trajs, pad_id) if is_main() else None)
+        t_rollout = t_rollout if is_main() else time.time() - t0
 
-        # --- rewards -> advantages (algorithm code: see algos.py for the equations)
+        # 2. advantages, 3. update (the engine asleep: on a GPU its memory is the learner's meanwhile; in async mode
+        #    it is sampling the next batch instead)
         t1 = time.time()
-        rewards = batch.rewards.clone()                                                # (B,)
-        if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
-            rewards += algos.overlong_penalty(batch.lengths, agent_cfg.max_total_tokens, cfg.algo.overlong_cache)
-        token_kl, old = None, None
-        if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
-            lc = cfg.learner
-            ref = compute_logprobs(state.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                                   lc.logprob_chunk_size, batch.loss_mask)             # (B, T)
-            old = compute_logprobs(state.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                                   lc.logprob_chunk_size, batch.loss_mask)             # (B, T) reused by the update
-            token_kl = algos.kl_penalty(old, ref, lc.kl_kind) * batch.loss_mask       # (B, T)
-            metrics["train/reward_kl"] = float(token_kl.sum(1).mean())
-        if cfg.algo.advantage == "gae":
-            token_rewards = torch.zeros_like(batch.loss_mask)                          # (B, T)
-            last = (batch.loss_mask * torch.arange(batch.loss_mask.shape[1])).argmax(1)  # last generated token
-            token_rewards[torch.arange(len(rewards)), last] = rewards                  # reward on the last token
-            if token_kl is not None:
-                token_rewards -= cfg.learner.kl_coef * token_kl
-            old_values = compute_values(critic_state.model, batch.input_ids, cfg.learner.micro_batch_size)
-            adv_tok, returns = algos.compute_gae(token_rewards, old_values, batch.loss_mask,
-                                                 cfg.algo.gamma, cfg.algo.lam)         # (B, T), (B, T)
-            adv_tok = algos.whiten(adv_tok, batch.loss_mask)
-            mixed = True
-        else:
-            if token_kl is not None:
-                rewards -= cfg.learner.kl_coef * token_kl.sum(1)
-            adv = algos.group_advantages(rewards, G, cfg.algo.advantage)               # (B,)
-            adv_tok = adv[:, None] * batch.loss_mask                                   # (B, T)
-            mixed = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
-
-        # --- update (the engine asleep: on a GPU its memory is the learner's meanwhile; in async mode it is
-        #     generating the next batch instead)
-        if is_main() and pool is None:
-            engine.sleep()
-        updated = mixed or not cfg.algo.skip_uniform_batches
+        train_batch, value_batch, m, informative = compute_advantages(cfg, batch, policy, critic)
+        metrics.update(m)
+        if is_main() and prefetch.pool is None:
+            rollouts.sleep()
+        updated = informative or not cfg.algo.skip_uniform_batches
         if updated:
-            state, m = train_step(state, TrainBatch(batch.input_ids, batch.loss_mask, adv_tok, old, batch.logprobs),
-                                  learner_cfg)
+            policy, m = train_step(policy, train_batch, learner_cfg)
             metrics.update(m)
-            if cfg.algo.advantage == "gae":
-                critic_state, m = critic_step(critic_state, ValueBatch(batch.input_ids, batch.loss_mask, old_values,
-                                                                       returns), critic_cfg, cfg.algo.value_clip)
+            if critic is not None:
+                critic, m = critic_step(critic, value_batch, critic_cfg, cfg.algo.value_clip)
                 metrics.update(m)
-            weights = merged_state_dict(state.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
+            weights = merged_state_dict(policy.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
-        if future is not None:                     # the engine must finish the next batch before the push
-            t_wait = time.time()
-            pending = (*future.result(), step - 1)   # collect_rollouts' result, its seconds, the weights' version
-            metrics["perf/rollout_wait_seconds"] = time.time() - t_wait  # rollout time the update did not hide
+        if is_main():
+            metrics.update(prefetch.wait(step))    # the next batch must be sampled before the push changes weights
 
-        # --- push the new weights to the engine, then the weight-sync gate: the engine continues a few of this
-        # step's trajectories with the new weights and the learner scores those tokens; they must agree
+        # 4. push the new weights to the engine, then the weight-sync gate
         t2 = time.time()
         if is_main():
-            engine.wake_up()
+            rollouts.wake_up()
             if updated:
-                engine.update_weights(weights)
-                if isinstance(engine, RayEngine):
-                    metrics["dispatch/push_seconds"] = engine.push_seconds
+                metrics.update(rollouts.update_weights(weights))
         if cfg.rollout.sync_check_samples:
-            probe = None
-            if is_main():                              # rank 0 samples with the engine ...
-                longest = sorted(trajs[::G], key=lambda t: len(t.token_ids), reverse=True)
-                params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.sync_check_tokens,
-                                        seed=mix_seed(cfg.seed, step, SEED_SYNC_PROBE))
-                probe = sync_probe(engine, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
-            prompts, gens, temperature = broadcast_object(probe)
-            gap = logprob_gap(state.model, prompts, gens, temperature)  # ... every rank scores (a sharded forward)
-            metrics["sync/logprob_abs_diff"] = assert_synced(gap, sync_threshold(cfg), len(gens))
-        metrics["perf/sync_seconds"] = time.time() - t2
-        if is_main():
-            t_rollout = t_gen                      # the engine's time for this batch (in the background if async)
-        metrics.update({"perf/rollout_seconds": t_rollout, "perf/train_seconds": t_train,
-                        "perf/step_seconds": time.time() - t0,
+            metrics.update(check_weight_sync(cfg, rollouts, policy, trajs, step))
+        metrics.update({"perf/sync_seconds": time.time() - t2, "perf/rollout_seconds": t_rollout,
+                        "perf/train_seconds": t_train, "perf/step_seconds": time.time() - t0,
                         "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),
                         "perf/train_tokens_per_s": int(batch.lengths.sum()) / max(t_train, 1e-9),
                         "perf/elapsed_minutes": (time.time() - t_start) / 60, "perf/world_size": world})
 
-        # --- eval, log, checkpoint
+        # 5. eval, log, checkpoint
         if is_main():
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                metrics.update(run_eval(step))
-            logger.log(step, metrics)
-            history.append((step, metrics))
+                metrics.update(run_eval(cfg, rollouts, eval_tasks, run_dir, step))
+            history.append((step, logger.log(step, metrics)))
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            checkpoint(f"checkpoints/step_{step}", pending)
+            save_run_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"), cfg, model_dir, policy, critic,
+                                prefetch.pending)
 
-    # -------------------------------------------------------------------------
-    # the end: final checkpoint, curves, summary
-    checkpoint("final")
-    if pool is not None:
-        pool.shutdown()
+    # --- the end: final checkpoint, curves, summary
+    save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic)
+    prefetch.shutdown()
     logger.finish()
-    if isinstance(engine, RayEngine):
-        engine.shutdown()
-    if not is_main():
-        cleanup_distributed()
-        return {"run_dir": run_dir}
-    save_curves(history, os.path.join(run_dir, "curves.png"))
-    evals = [(s, m["eval/accuracy"]) for s, m in history if "eval/accuracy" in m]
-    summary = {"run_dir": run_dir, "minutes": (time.time() - t_start) / 60, "eval_curve": evals,
-               "final_accuracy": evals[-1][1] if evals else None}
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(f"done in {summary['minutes']:.1f} min; held-out accuracy by step: "
-          + ", ".join(f"{s}: {a:.3f}" for s, a in evals))
+    summary = {"run_dir": run_dir}
+    if is_main():
+        rollouts.shutdown()
+        summary = finish_run(run_dir, history, (time.time() - t_start) / 60)
     cleanup_distributed()
     return summary
 
@@ -480,95 +371,9 @@ def cli(argv=None) -> Config:
         sys.exit(f"config error: {e.args[0] if e.args else e}")
 
 
-# -----------------------------------------------------------------------------
-# launching on Ray: the learner's ranks as actors, the same SPMD main() that torchrun starts
-
-PLACEMENT_TIMEOUT_S = 300   # how long to wait for the cluster to free (or an autoscaler to add) the bundles
-
-
-class LearnerRank:
-    """One rank of the learner in a Ray actor (wrapped by ray.remote in launch_on_ray, so that importing
-    train.py never imports Ray). It sets torchrun's environment variables, then runs main(cfg)."""
-
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it: rank 0's answer is every rank's MASTER_ADDR and MASTER_PORT."""
-        import socket
-
-        import ray
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-    def run(self, cfg: Config, env: dict[str, str]) -> dict:
-        """main(cfg) as the rank that `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) names."""
-        os.environ.update(env)                       # read by init_distributed (torch's env:// rendezvous)
-        return main(cfg)
-
-
-def launch_on_ray(cfg: Config) -> dict:
-    """Run main(cfg) as cfg.ray.learner_workers Ray actors, rank i in bundle i of one placement group, and return
-    rank 0's summary. So `ray job submit -- python train.py ... ray.learner_workers=2` trains exactly as
-    `torchrun --nproc_per_node 2 train.py ...` does. Joins the cluster at ray.address ("" = $RAY_ADDRESS, else a
-    local Ray it starts and stops). If an actor fails or dies, the others would wait in a collective forever:
-    they are killed, and the error names the rank."""
-    rc, n = cfg.ray, cfg.ray.learner_workers
-    if "RANK" in os.environ:                         # set by torchrun (and by us, inside an actor)
-        raise ValueError(f"ray.learner_workers={n} under torchrun: choose one launcher (torchrun starts the ranks "
-                         "itself; ray.learner_workers=N starts them as Ray actors from one `python train.py`)")
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError(f"ray.learner_workers={n} needs Ray: pip install 'ray[default]' (or bash setup.sh)") from e
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    address = rc.address or os.environ.get("RAY_ADDRESS", "")
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if host and port.isdigit():                     # ray.init would retry a dead address for minutes
-        import socket
-        try:
-            socket.create_connection((host, int(port)), timeout=10).close()
-        except OSError as e:
-            raise ConnectionError(f"no Ray cluster at {address!r} ({e}): start one there with `ray start --head`, "
-                                  "or leave ray.address and $RAY_ADDRESS empty to start a local Ray") from None
-    started = not ray.is_initialized()             # a connection the caller made is left open at the end
-    if started:
-        ray.init(address=rc.address or None)
-    bundle = {"CPU": rc.cpus_per_learner, **({"GPU": rc.gpus_per_learner} if rc.gpus_per_learner else {})}
-    pg = placement_group([bundle] * n, strategy=rc.placement_strategy)
-    ranks = []
-    try:
-        if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
-            raise RuntimeError(f"Ray could not place {n} learner bundles of {bundle} ({rc.placement_strategy}) in "
-                               f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}")
-        actor = ray.remote(LearnerRank)
-        ranks = [actor.options(num_cpus=rc.cpus_per_learner, num_gpus=rc.gpus_per_learner,
-                               scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-                 .remote() for i in range(n)]
-        master_addr, master_port = ray.get(ranks[0].address.remote())
-        # LOCAL_RANK 0: Ray gives each actor its own GPU(s) through CUDA_VISIBLE_DEVICES, so its GPU is device 0
-        runs = {r.run.remote(cfg, {"RANK": str(i), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
-                                   "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}): i
-                for i, r in enumerate(ranks)}
-        results, pending = {}, list(runs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                results[runs[done[0]]] = ray.get(done[0])
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:  # raised, or the process died
-                raise RuntimeError(f"learner rank {runs[done[0]]} of {n} failed: {e}") from e
-        return results[0]
-    finally:
-        for r in ranks:
-            ray.kill(r)
-        remove_placement_group(pg)
-        if started:
-            ray.shutdown()
-
-
 if __name__ == "__main__":
     cfg = cli()
     if cfg.ray.learner_workers:
-        launch_on_ray(cfg)
+        launch_on_ray(cfg, main)
     else:
         main(cfg)

@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from agent import SamplingParams, run_episodes  # noqa: E402
+from agent import run_episodes  # noqa: E402
+from cluster import (DISPATCHERS, WorkerSpec, dispatch, make_placement_group, start_env_workers,  # noqa: E402
+                     start_rollout_workers)
 from config import load_config  # noqa: E402
 from env import make_env  # noqa: E402
-from model import load_model  # noqa: E402
-from rollout import (DISPATCHERS, TorchEngine, WorkerSpec, dispatch, make_placement_group,  # noqa: E402
-                     start_env_workers, start_rollout_workers)
+from rollout import SamplingParams, make_engine  # noqa: E402
 from sft import build_default_model  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main():
     workers = start_rollout_workers(spec, args.workers, pg)
     env_workers = start_env_workers(envs, model_dir, 2, cpus=0.5)
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    engine = TorchEngine(load_model(model_dir).eval(), pad_id=tokenizer.token_to_id("<|endoftext|>"),
+    engine = make_engine("torch", model_dir, pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          max_batch_size=cfg.rollout.max_batch_size)
     def in_process(threads):
         def run():

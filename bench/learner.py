@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/learner.py [--batch 64] [--seq 256] [--steps 4] [--lora-rank 0]
 
-Each configuration runs in its own subprocess, one after the other: `train_step` (log-prob recompute +
-one PPO update, as in train.py) on a fixed synthetic batch for the default model's size (sft.py's tiny
+Each configuration runs in its own subprocess, one after the other: the update of train.py (the log-probs
+before the update, `compute_logprobs`, then one PPO `train_step`) on a fixed synthetic batch for the default model's size (sft.py's tiny
 Qwen2: hidden 128, 4 layers, vocab 1024), timed after one warm-up step. Learner tokens/s counts every
 token of the global batch (B x T) per second of train_step. Rows: one process with 1 and with 2 threads,
 and torchrun --nproc_per_node 2 with 1 thread per process (gloo, FSDP2); the ratio compares equal thread
@@ -27,8 +27,8 @@ def worker(args) -> None:
     """One measurement (in a subprocess; under torchrun on every rank). Rank 0 prints one JSON line."""
     import torch
     from config import SFTConfig
-    from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, get_world_size,
-                         init_distributed, is_main, make_learner, shard_model, train_step)
+    from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, compute_logprobs,
+                         get_world_size, init_distributed, is_main, make_learner, shard_model, train_step)
     from model import ModelConfig, init_model
 
     torch.set_num_threads(args.threads)
@@ -48,11 +48,14 @@ def worker(args) -> None:
     mask = torch.zeros(B, T)
     mask[:, T // 2:] = 1                                                           # the response: second half
     adv = torch.randn(B, 1, generator=g) * mask                                    # (B, T)
-    batch = TrainBatch(ids, mask, adv)
-    state, _ = train_step(state, batch, lcfg)                                      # warm-up
+    def update(state):                   # as train.py: score the batch (pi_old), then one PPO update
+        old = compute_logprobs(state.model, ids, lcfg.micro_batch_size, mask=mask)
+        return train_step(state, TrainBatch(ids, mask, adv, old), lcfg)[0]
+
+    state = update(state)                                                          # warm-up
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        state, _ = train_step(state, batch, lcfg)
+        state = update(state)
     dt = (time.perf_counter() - t0) / args.steps
     if is_main():
         print(json.dumps({"processes": get_world_size(), "threads": args.threads, "seconds_per_step": dt,

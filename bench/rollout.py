@@ -24,12 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from agent import SamplingParams, render  # noqa: E402
+from chat import render  # noqa: E402
 from config import load_config  # noqa: E402
 from env import make_env  # noqa: E402
 from eval import heldout_tasks  # noqa: E402
 from model import ModelConfig, init_model, load_model, save_model  # noqa: E402
-from rollout import TorchEngine, VLLMEngine  # noqa: E402
+from rollout import SamplingParams, TorchEngine, VLLMEngine  # noqa: E402
 from sft import build_default_model  # noqa: E402
 
 

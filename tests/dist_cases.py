@@ -7,12 +7,14 @@
 Each case returns a dict of plain tensors/floats, the same on every rank; rank 0 saves it.
 """
 import copy
+import dataclasses
 import sys
 
 import torch
 
-from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, full_state_dict, get_world_size,
-                     init_distributed, is_main, make_learner, merged_state_dict, shard_model, sft_step, train_step)
+from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, compute_logprobs, full_state_dict,
+                     get_world_size, init_distributed, is_main, make_learner, merged_state_dict, shard_model, sft_step,
+                     train_step)
 from model import ModelConfig, init_model
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -33,6 +35,13 @@ def make_batch(B=8, T=12, seed=0) -> TrainBatch:
             mask[b, 4: 4 + 1 + b % 7] = 1
     adv = torch.randn(B, 1, generator=g) * mask          # (B, T)
     return TrainBatch(ids, mask, adv)
+
+
+def scored(state, batch: TrainBatch, cfg: LearnerConfig) -> TrainBatch:
+    """The batch with the learner's log-probs before the update, as train.compute_advantages gives it."""
+    old = compute_logprobs(state.model, batch.input_ids, cfg.micro_batch_size, cfg.temperature,
+                           cfg.logprob_chunk_size, batch.loss_mask)
+    return dataclasses.replace(batch, old_logprobs=old)
 
 
 def first_step_grad(state) -> torch.Tensor:
@@ -82,14 +91,14 @@ def case_grads() -> dict:
                 cfg = LearnerConfig(micro_batch_size=mbs, grad_clip=0.0)
                 cfg.loss.agg_mode = agg
                 state = _learner(copy.deepcopy(base), cfg)
-                state, m = train_step(state, make_batch(B=B), cfg)
+                state, m = train_step(state, scored(state, make_batch(B=B), cfg), cfg)
                 out[f"grad/B{B}/{agg}/mbs{mbs}"] = first_step_grad(state)
                 out[f"metrics/B{B}/{agg}/mbs{mbs}"] = {k: m[k] for k in ("train/pg_loss", "train/entropy")}
     cfg = LearnerConfig(lr=TRAIN_LR, micro_batch_size=3, mini_batches=2, ppo_epochs=2)
     state = _learner(copy.deepcopy(base), cfg)
     out["step_grads"] = record_gradients(state)
     for s in range(2):
-        state, m = train_step(state, make_batch(seed=s), cfg)
+        state, m = train_step(state, scored(state, make_batch(seed=s), cfg), cfg)
     sd = full_state_dict(state.model)
     out["trained"] = {k: v.detach().clone() for k, v in sd.items()}
     out["grad_norm"] = m["train/grad_norm"]

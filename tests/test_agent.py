@@ -1,7 +1,7 @@
 """Tests for agent.py: chat formatting, tool-call parsing, and the token-in token-out multi-turn loop.
 
 Oracles: the chat templates are checked against jinja2 renderings of the real Qwen3 template
-(fixtures/chat_templates/qwen3.jinja) and of CHAT_TEMPLATES["qwen2.5"] (plus transformers'
+(fixtures/chat_templates/qwen3.jinja) and of QWEN25_CHAT_TEMPLATE (plus transformers'
 apply_chat_template when it is installed). The loop is driven by a scripted engine that returns
 hand-written assistant texts, with a log-prob that is a known function of each token id, so every
 position of a trajectory can be checked against what the engine actually returned.
@@ -24,9 +24,10 @@ from conftest import IN_CI, need
 
 import agent
 import env as env_module
-from agent import (CHAT_TEMPLATES, AgentConfig, Generation, SamplingParams, Trajectory, assistant_message,
-                   make_action, parse_tool_calls, render, render_continuation, rollout_metrics, run_episodes,
-                   to_batch)
+from agent import AgentConfig, Trajectory, rollout_metrics, run_episodes, to_batch
+from chat import make_action, parse_assistant_message, parse_tool_calls, render, render_continuation
+from rollout import Generation, SamplingParams
+from sft import QWEN25_CHAT_TEMPLATE
 
 Task, ToolCall = env_module.Task, env_module.ToolCall
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def test_render_qwen3_matches_template(qwen3_template, case, thinking, gen):
 @pytest.mark.parametrize("case", list(RENDER_CASES))
 def test_render_qwen25_matches_template(case, gen):
     messages, tools = RENDER_CASES[case]
-    expected = jinja_render(CHAT_TEMPLATES["qwen2.5"], messages, tools, add_generation_prompt=gen)
+    expected = jinja_render(QWEN25_CHAT_TEMPLATE, messages, tools, add_generation_prompt=gen)
     for thinking in (None, False):   # no <think> logic in qwen2.5: enable_thinking is ignored
         assert render(messages, tools, add_generation_prompt=gen, chat_format="qwen2.5",
                       enable_thinking=thinking) == expected
@@ -162,7 +163,7 @@ def test_transformers_apply_chat_template_agrees():
     transformers = need("transformers", "the chat-template oracle")
     tok = Tokenizer(models.BPE())
     tok.add_special_tokens(SPECIALS)
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATES["qwen2.5"])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=QWEN25_CHAT_TEMPLATE)
     for case in ("single_turn", "tools_system", "tools_no_system", "consecutive_tool_responses",
                  "multi_step_after_last_query"):
         messages, tools = RENDER_CASES[case]
@@ -242,7 +243,7 @@ def test_parse_never_raises(text):
     calls, err = parse_tool_calls(text)
     assert all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls)
     assert err is None or isinstance(err, str)
-    assert isinstance(assistant_message(text)["content"], str)
+    assert isinstance(parse_assistant_message(text)["content"], str)
 
 
 def test_parse_bounded_time_on_long_inputs():
@@ -268,12 +269,12 @@ CANONICAL_ASSISTANT_TEXTS = [
 def test_assistant_message_round_trips(text):
     # render() of the parsed message gives the generated text back (after the generation prompt)
     prompt = render([U1], TOOLS, add_generation_prompt=True)
-    assert render([U1, assistant_message(text)], TOOLS) == prompt + text + "<|im_end|>\n"
+    assert render([U1, parse_assistant_message(text)], TOOLS) == prompt + text + "<|im_end|>\n"
 
 
 def test_assistant_message_keeps_malformed_blocks_in_content():
     text = 'Hmm.\n<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'
-    assert assistant_message(text) == {"role": "assistant", "content": text}
+    assert parse_assistant_message(text) == {"role": "assistant", "content": text}
 
 
 # -----------------------------------------------------------------------------
@@ -360,18 +361,21 @@ class CalcEnv:
         return CalcState(task), [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": task.prompt}]
 
     def step(self, state, action):
+        """As env.Env.step: the info says what this step added to the episode's counters (the agent sums them)."""
         state = replace(state, turn=state.turn + 1)
         if action.parse_error is not None:
-            return state, [{"role": "user", "content": f"Error: {action.parse_error}"}], 0.0, False, {"turn": state.turn}
+            return (state, [{"role": "user", "content": f"Error: {action.parse_error}"}], 0.0, False,
+                    {"turn": state.turn, "parse_failures": 1})
         if action.tool_calls:
-            obs = []
+            obs, errors = [], 0
             for c in action.tool_calls:
                 if c.name == "add" and set(c.arguments) == {"a", "b"}:
                     obs.append({"role": "tool", "name": c.name, "content": str(c.arguments["a"] + c.arguments["b"])})
                 else:
-                    state = replace(state, tool_errors=state.tool_errors + 1)
+                    errors += 1
                     obs.append({"role": "tool", "name": c.name, "content": "error: bad call"})
-            return state, obs, 0.0, False, {"turn": state.turn}
+            state = replace(state, tool_errors=state.tool_errors + errors)
+            return state, obs, 0.0, False, {"turn": state.turn, "tool_errors": errors}
         reward = float(f"ANSWER: {state.task.answer}" in action.text)
         return state, [], reward, True, {"turn": state.turn, "correct": reward == 1.0}
 
@@ -484,7 +488,7 @@ def test_max_turns_ends_episode(tok):
         # the last observation is not appended (no turn would answer it)
         assert tr.messages[-1]["role"] == "assistant"
     assert len(engine.calls) == 2
-    assert rollout_metrics(trajs)["rollout/truncated"] == 1.0
+    assert rollout_metrics(trajs, 2)["rollout/truncated"] == 1.0
 
 
 def test_token_budget_ends_episodes(tok):
@@ -522,7 +526,7 @@ def test_env_error_ends_episode_cleanly_in_mixed_batch(tok):
         assert (tr.env_errors, tr.reward, tr.done, tr.finish_reason, tr.num_turns) == (1, 0.0, False, "env_error", 1)
         assert "the sandbox died" in tr.info["error"]
     assert all(tr.reward == 1.0 and tr.done for tr in ok)
-    m = rollout_metrics(trajs)
+    m = rollout_metrics(trajs, 2)
     assert m["rollout/calc/reward"] == 1.0 and m["rollout/boom/reward"] == 0.0 and m["rollout/env_errors"] == 0.5
 
 
@@ -592,7 +596,7 @@ def test_rollout_metrics_hand_computed():
                           logprobs=[0.0] * len(mask), prompt_len=1, messages=[], reward=reward,
                           done=finish == "done", num_turns=turns, finish_reason=finish)
     trajs = [tr(0, 1.0), tr(0, 0.0, finish="max_turns", turns=3), tr(1, 1.0, mask=(0, 1, 1, 1, 1)), tr(1, 1.0)]
-    m = rollout_metrics(trajs)
+    m = rollout_metrics(trajs, 2)
     assert m["rollout/reward"] == 0.75
     assert m["rollout/num_turns"] == 1.5                    # (1 + 3 + 1 + 1) / 4
     assert m["rollout/response_tokens"] == 2.5              # (2 + 2 + 4 + 2) / 4
@@ -600,7 +604,7 @@ def test_rollout_metrics_hand_computed():
     assert m["rollout/truncated"] == 0.25
     assert m["rollout/frac_groups_mixed"] == 0.5            # group 0 mixed, group 1 all 1.0
     assert not any(k.startswith("rollout/calc/") for k in m)  # one env: no per-env keys
-    m = rollout_metrics(trajs + [tr(2, 0.0, env="search")])
+    m = rollout_metrics(trajs + [tr(2, 0.0, env="search"), tr(2, 0.0, env="search")], 2)
     assert m["rollout/calc/reward"] == 0.75 and m["rollout/search/reward"] == 0.0
 
 
@@ -631,5 +635,5 @@ def test_real_toy_math_env_replays_demonstrations(tok):
 def test_qwen25_assistant_content_none():
     # OpenAI-style tool-call messages may carry content None; qwen2.5 renders it as empty content
     messages = [U1, {"role": "assistant", "content": None, "tool_calls": [CALL_ADD]}, TOOL5]
-    expected = jinja_render(CHAT_TEMPLATES["qwen2.5"], messages, TOOLS, add_generation_prompt=True)
+    expected = jinja_render(QWEN25_CHAT_TEMPLATE, messages, TOOLS, add_generation_prompt=True)
     assert render(messages, TOOLS, add_generation_prompt=True) == expected

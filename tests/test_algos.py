@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import algos
-from algos import (PolicyLossConfig, aggregate, compute_gae, dynamic_sampling_mask, entropy_from_logits,
+from algos import (PolicyLossConfig, aggregate, compute_gae, dynamic_sampling_mask,
                    group_advantages, kl_penalty, overlong_penalty, policy_loss, value_loss, whiten)
 
 NAN, INF = float("nan"), float("inf")
@@ -418,20 +418,6 @@ def test_k1_and_k3_are_unbiased():
     for kind in ("k1", "k3"):
         k = kl_penalty(log_pi[x], log_ref[x], kind)
         assert abs(k.mean() - kl) < 5 * k.std() / math.sqrt(len(x)), kind
-
-
-def test_entropy_from_logits():
-    V = 7
-    close(entropy_from_logits(torch.zeros(2, 3, V)), torch.full((2, 3), math.log(V)), rtol=1e-6)
-    g = torch.Generator().manual_seed(7)
-    logits = 3 * torch.randn(4, 5, 11, generator=g, dtype=f64)
-    p = torch.softmax(logits, -1)
-    reference = -(p * p.log()).sum(-1)  # float64, the textbook formula
-    out = entropy_from_logits(logits.to(torch.bfloat16))
-    assert out.shape == (4, 5) and out.dtype == torch.float32
-    close(entropy_from_logits(logits), reference, rtol=1e-5, atol=1e-6)
-    # huge logits: a one-hot distribution, entropy 0, no overflow
-    close(entropy_from_logits(torch.tensor([1000.0, 0.0, -1000.0])), 0.0, atol=1e-6)
 
 
 def test_value_loss_hand_computed():

@@ -21,8 +21,9 @@ import env
 import sandbox
 from fractions import Fraction
 
-from env import (ENVS, SANDBOX, TOOLS, Action, EnvState, PythonSandbox, Task, ToolCall, ToyMathEnv, calculate,
-                 check_code, extract_answer, format_exact, last_boxed, make_env, parse_number)
+from env import (ENVS, TOOLS, Action, EnvState, Task, ToolCall, ToyMathEnv, calculate, extract_answer, format_exact,
+                 last_boxed, make_env, parse_number)
+from sandbox import SANDBOX, PythonSandbox, check_code
 
 ARITHMETIC = re.compile(r"[\d\s()+\-*/]+")  # what a canonical toy-math expression may contain
 
@@ -149,7 +150,8 @@ def test_step_parse_error(toy):
     assert obs == [{"role": "tool", "name": "error", "content": obs[0]["content"]}]
     assert obs[0]["content"].startswith("Error: invalid JSON.")
     assert (reward, done, state.parse_failures, state.turn) == (0.0, False, 1, 1)
-    assert info == {"format_ok": False, "answer": None, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
+    assert info == {"format_ok": False, "answer": None, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
+                    "parse_failures": 1}
 
 
 def test_step_unknown_tool(toy):
@@ -175,7 +177,8 @@ def test_step_python_eval_then_finish(toy):
     assert (reward, done, state.tool_calls, state.tool_errors, info["tool_calls"]) == (0.0, False, 1, 0, 1)
     state, obs, reward, done, info = toy.step(state, action(("finish", {"answer": "84"})))
     assert (obs, reward, done, state.reward, state.answer, state.turn) == ([], 1.0, True, 1.0, "84", 2)
-    assert info == {"format_ok": True, "answer": "84", "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
+    assert info == {"format_ok": True, "answer": "84", "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0,
+                    "parse_failures": 0}
     with pytest.raises(ValueError, match="finished"):
         toy.step(state, action(("finish", {"answer": "84"})))
 

@@ -9,6 +9,8 @@ from dataclasses import replace
 import pytest
 
 import agent
+import chat
+import rollout
 
 import env_alfworld as alf
 from config import load_config
@@ -332,7 +334,7 @@ class ReplayEngine:
             turns = next(v for k, v in self.turns.items() if k in text)
             reply = turns[min(text.count("<|im_start|>assistant") - 1, len(turns) - 1)] + "<|im_end|>"
             ids = self.tok.encode(reply, add_special_tokens=False).ids
-            out.append(agent.Generation(ids, [0.0] * len(ids), "stop"))
+            out.append(rollout.Generation(ids, [0.0] * len(ids), "stop"))
         return out
 
 
@@ -343,10 +345,10 @@ def test_expert_through_the_agent_loop():
     full = load_config("configs/alfworld_lite.yaml")
     cfg, house = full.rollout, make_env("alfworld_lite", **full.envs[0].kwargs)
     rng = random.Random(0)
-    tok = train_tokenizer([agent.render(house.demonstration(t, rng, True), house.tools())
+    tok = train_tokenizer([chat.render(house.demonstration(t, rng, True), house.tools())
                            for t in house.sample_tasks("train", 100, seed=0)], 1024)
     tasks = house.sample_tasks("test", 8, seed=0)
-    params = agent.SamplingParams(max_tokens=cfg.max_tokens)
+    params = rollout.SamplingParams(max_tokens=cfg.max_tokens)
     engine = ReplayEngine(tok, house, tasks)
     trajs = agent.run_episodes(engine, {"alfworld_lite": house}, tasks, tok, replace(cfg.agent, n_samples=1),
                                params, seed=0)

@@ -13,7 +13,8 @@ import random
 import pytest
 
 import env_code
-from env import Action, ExecLimits, Task, ToolCall, execute_python, make_env, read_tasks, split_of, write_tasks
+from env import Action, Task, ToolCall, make_env, read_tasks, split_of, write_tasks
+from sandbox import ExecLimits, execute_python
 from env_code import FAMILIES, FAMILY, CodeEnv, extract_code, grade, reference_code
 from eval import play_scripted
 

@@ -15,8 +15,8 @@ import pytest
 
 import env
 from config import load_config
-from env import Action, ToolCall, make_env, read_tasks, validate_arguments, write_tasks
-from env_search import BM25, KINDS, TEMPLATE_WORDS, split_of, tokenize
+from env import Action, ToolCall, make_env, read_tasks, split_of, validate_arguments, write_tasks
+from env_search import BM25, KINDS, TEMPLATE_WORDS, TEST_PERCENT, tokenize
 from eval import play_scripted, scripted_metrics
 
 CONFIG = load_config("configs/tool_use.yaml")
@@ -77,11 +77,11 @@ def test_encyclopedia_is_deterministic_and_linked(tu):
     for title, f in facts.items():                                        # links stay inside a split
         for other in (f.get("city"), f.get("founder"), f.get("birthplace")):
             if other is not None:
-                assert facts[other]["kind"] in ("city", "person") and split_of(other) == split_of(title)
+                assert facts[other]["kind"] in ("city", "person") and split_of(other, TEST_PERCENT) == split_of(title, TEST_PERCENT)
     for f in companies:
         assert 25 <= f["founded"] - facts[f["founder"]]["born"] <= 60
     assert max(len(a.text.split()) for a in tu.corpus.articles) < 25      # short observations
-    test_share = sum(split_of(t) == "test" for t in facts) / len(facts)
+    test_share = sum(split_of(t, TEST_PERCENT) == "test" for t in facts) / len(facts)
     assert 0.15 < test_share < 0.25
 
 
@@ -257,7 +257,8 @@ def test_train_and_test_share_no_entity(tu):
     train_names = {n for t in train for n in t.meta["needs"]}
     test_names = {n for t in test for n in t.meta["needs"]}
     assert not train_names & test_names
-    assert all(split_of(n) == "train" for n in train_names) and all(split_of(n) == "test" for n in test_names)
+    assert all(split_of(n, TEST_PERCENT) == "train" for n in train_names)
+    assert all(split_of(n, TEST_PERCENT) == "test" for n in test_names)
     assert not {t.prompt for t in train} & {t.prompt for t in test}
     name_answers = {t.answer for t in train if t.meta["answer_type"] == "name"}
     assert not name_answers & {t.answer for t in test if t.meta["answer_type"] == "name"}
@@ -434,7 +435,7 @@ def test_random_action(tu):
 
 
 def test_expert_episodes_fit_the_token_budget(tu):
-    from agent import render
+    from chat import render
     from sft import tokenize_conversation, train_tokenizer
     rng = random.Random(0)
     demos = [tu.demonstration(t, rng, rng.random() < 0.5) for t in tu.sample_tasks("train", 300, seed=0)]

@@ -7,13 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from agent import AgentConfig, Generation, SamplingParams, render, run_episodes
+from agent import AgentConfig, LocalRollouts, run_episodes
+from chat import encode, render
+from rollout import Generation, SamplingParams
 from config import load_config
 from env import Action, Task, ToolCall, make_env, read_tasks, write_tasks
 from env_tau import (DB, Item, Order, TauEnv, User, customer_split, db_from_json, db_to_json, expected_db, mentions,
                      told, user_reply)
 from eval import evaluate, play_scripted
-from sft import encode, tokenize_conversation, train_tokenizer
+from sft import tokenize_conversation, train_tokenizer
 
 CFG = load_config("configs/tau_lite.yaml")
 
@@ -401,7 +403,8 @@ def test_eval_metrics_are_unaffected_by_the_judge(tau, tokenizer):
     params = SamplingParams(temperature=1.0, max_tokens=CFG.rollout.max_tokens, seed=0)
     results = {}
     for name, env in (("none", tau), ("rules", make_env("tau_lite", judge="rules")), ("one", AlwaysOneJudge())):
-        metrics, trajs = evaluate(engine, {"tau_lite": env}, {"tau_lite": tasks}, tokenizer, cfg, params, seed=0)
+        rollouts = LocalRollouts(engine, {"tau_lite": env}, tokenizer, cfg)
+        metrics, trajs = evaluate(rollouts, {"tau_lite": tasks}, cfg, params, seed=0)
         results[name] = metrics
         assert [t.reward for t in trajs] == [1.0] * 5 + [0.0] * 3 and all("judge" not in t.info for t in trajs)
     assert results["none"] == results["rules"] == results["one"]

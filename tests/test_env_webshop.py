@@ -13,8 +13,8 @@ import pytest
 
 import env
 import env_webshop as ws
-from agent import make_action, render
-from env import Action, Task, ToolCall, make_env, read_tasks, write_tasks
+from chat import make_action, render
+from env import Action, Task, ToolCall, make_env, read_tasks, split_of, write_tasks
 from env_webshop import Product, View, search, shop_reward
 from eval import play_scripted, scripted_metrics
 
@@ -118,7 +118,8 @@ def test_train_and_test_targets_never_overlap(catalog_seed):
     title = lambda t: f"{t.meta['color']} {t.meta['material']} {t.meta['category']}"  # noqa: E731
     assert not {t.meta["target"] for t in train} & {t.meta["target"] for t in test}
     assert not {title(t) for t in train} & {title(t) for t in test}
-    assert {ws.split_of(title(t)) for t in test} == {"test"} and {ws.split_of(title(t)) for t in train} == {"train"}
+    split = lambda t: split_of(f"webshop_lite/{title(t)}", ws.TEST_PERCENT)      # noqa: E731
+    assert {split(t) for t in test} == {"test"} and {split(t) for t in train} == {"train"}
     assert not {t.id for t in train} & {t.id for t in test}
 
 

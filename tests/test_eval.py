@@ -6,7 +6,8 @@ The loop is driven by test_agent's scripted engine and tiny `calc` env, so every
 import pytest
 
 import env as env_module
-from agent import AgentConfig, SamplingParams, run_episodes
+from agent import AgentConfig, LocalRollouts, run_episodes
+from rollout import SamplingParams
 from env import make_env, read_tasks, write_tasks
 from eval import evaluate, expert_actions, play_scripted, scripted_metrics
 from test_agent import CalcEnv, ScriptedEngine, calc_task, call_text, tok  # noqa: F401 (tok is a fixture)
@@ -53,8 +54,8 @@ def test_judge_only_in_training_rollouts(tok):
     assert [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0] and judged.judge_calls == 4
 
     # evaluation: the same metrics with and without a judge, and the judge is never asked
-    with_judge, _ = evaluate(engine, {"calc": judged}, {"calc": tasks}, tok, cfg, params, seed=0)
-    without, _ = evaluate(engine, {"calc": CalcEnv()}, {"calc": tasks}, tok, cfg, params, seed=0)
+    with_judge, _ = evaluate(LocalRollouts(engine, {"calc": judged}, tok, cfg), {"calc": tasks}, cfg, params, seed=0)
+    without, _ = evaluate(LocalRollouts(engine, {"calc": CalcEnv()}, tok, cfg), {"calc": tasks}, cfg, params, seed=0)
     assert with_judge == without and with_judge["eval/accuracy"] == 0.5 and judged.judge_calls == 4
 
 
@@ -62,7 +63,8 @@ def test_env_metrics_are_averaged_per_env(tok):
     tasks = [calc_task(i, i, 1) for i in range(4)]
     engine = ScriptedEngine(tok, script_for(tasks, wrong={tasks[0].prompt}))
     cfg = AgentConfig(n_samples=1, max_turns=3, max_total_tokens=1024)
-    m, _ = evaluate(engine, {"calc": MeteredCalcEnv()}, {"calc": tasks}, tok, cfg, SamplingParams(max_tokens=64), 0)
+    m, _ = evaluate(LocalRollouts(engine, {"calc": MeteredCalcEnv()}, tok, cfg), {"calc": tasks}, cfg,
+                    SamplingParams(max_tokens=64), 0)
     assert m["eval/calc/accuracy"] == 0.75
     assert m["eval/calc/pass_fraction"] == pytest.approx((0.75 + 3 * 0.25) / 4)
 

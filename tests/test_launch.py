@@ -129,38 +129,42 @@ def test_ray_job_submit_with_learner_actors_matches_torchrun(tiny, reference, ra
 def test_a_failing_learner_actor_is_named(tiny, ray_head):
     """Joining the cluster at ray.address, every rank raises at once (a config main() refuses): the driver stops
     with the rank and the cause, and kills the other actors."""
-    from train import launch_on_ray
+    from cluster import launch_on_ray
+    from train import main
 
     gcs, _, _ = ray_head
     with pytest.raises(RuntimeError, match=r"learner rank \d of 2 failed:(.|\n)*cannot train"):
-        launch_on_ray(tiny("rollout.engine=openai", f"ray.address={gcs}", "ray.learner_workers=2"))
+        launch_on_ray(tiny("rollout.engine=openai", f"ray.address={gcs}", "ray.learner_workers=2"), main)
 
 
 def test_bundles_the_cluster_cannot_place_are_a_clear_error(tiny, ray_head, monkeypatch):
     """A GPU per learner on a CPU-only cluster: the placement group never becomes ready, and the driver says why
     instead of waiting forever (PLACEMENT_TIMEOUT_S shortened from 300 s)."""
-    import train
+    import cluster
+    from train import main
 
     gcs, _, _ = ray_head
-    monkeypatch.setattr(train, "PLACEMENT_TIMEOUT_S", 2)
+    monkeypatch.setattr(cluster, "PLACEMENT_TIMEOUT_S", 2)
     with pytest.raises(RuntimeError, match=r"could not place 2 learner bundles of \{'CPU': 1.0, 'GPU': 1.0\}"):
-        train.launch_on_ray(tiny(f"ray.address={gcs}", "ray.learner_workers=2", "ray.gpus_per_learner=1"))
+        cluster.launch_on_ray(tiny(f"ray.address={gcs}", "ray.learner_workers=2", "ray.gpus_per_learner=1"), main)
 
 
 def test_no_cluster_at_the_address_is_a_clear_error(tiny):
-    from train import launch_on_ray
+    from cluster import launch_on_ray
+    from train import main
 
     port = free_ports(1)[0]                                        # nothing listens there
     with pytest.raises(ConnectionError, match=f"no Ray cluster at '127.0.0.1:{port}'"):
-        launch_on_ray(tiny(f"ray.address=127.0.0.1:{port}", "ray.learner_workers=2"))
+        launch_on_ray(tiny(f"ray.address=127.0.0.1:{port}", "ray.learner_workers=2"), main)
 
 
 def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
-    from train import launch_on_ray
+    from cluster import launch_on_ray
+    from train import main
 
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="choose one launcher"):
-        launch_on_ray(tiny("ray.learner_workers=2"))
+        launch_on_ray(tiny("ray.learner_workers=2"), main)
 
 
 def test_resume_under_torchrun_is_exact(tiny, reference):

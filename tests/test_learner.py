@@ -1,12 +1,18 @@
 """Learner: micro-batch split invariance, SFT learns, non-finite guard, exact checkpoint resume."""
 import copy
 import math
+import os
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from learner import LearnerConfig, TrainBatch, load_checkpoint, make_learner, save_checkpoint, sft_step, train_step
 from model import ModelConfig, init_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_cases import scored  # noqa: E402
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -38,7 +44,7 @@ def test_micro_batch_split_invariance(agg):
         cfg = LearnerConfig(micro_batch_size=mbs, grad_clip=0.0)
         cfg.loss.agg_mode = agg
         state = make_learner(copy.deepcopy(model), cfg, seed=0)
-        state, m = train_step(state, batch, cfg)
+        state, m = train_step(state, scored(state, batch, cfg), cfg)
         grads.append(first_step_grad(state))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
@@ -59,7 +65,7 @@ def test_nonfinite_gradient_skips_the_step():
     before = copy.deepcopy(state.model.state_dict())
     b = make_batch()
     b.advantages[0, 4] = float("nan")                    # a NaN on a trained token
-    state, m = train_step(state, b, cfg)
+    state, m = train_step(state, scored(state, b, cfg), cfg)
     assert m["train/skipped_nonfinite"] == 1.0
     for k, v in state.model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -70,16 +76,16 @@ def test_checkpoint_resume_is_exact(tmp_path):
     state = make_learner(init_model(CFG, seed=0), cfg, seed=0)
     batches = [make_batch(seed=s) for s in range(4)]
     for b in batches[:2]:
-        state, _ = train_step(state, b, cfg)
+        state, _ = train_step(state, scored(state, b, cfg), cfg)
     save_checkpoint(state, str(tmp_path / "ck"))
     for b in batches[2:]:
-        state, _ = train_step(state, b, cfg)
+        state, _ = train_step(state, scored(state, b, cfg), cfg)
 
     resumed = make_learner(init_model(CFG, seed=1), cfg, seed=123)        # different init and RNG on purpose
     resumed = load_checkpoint(resumed, str(tmp_path / "ck"))
     assert resumed.step == 2 * 4
     for b in batches[2:]:
-        resumed, _ = train_step(resumed, b, cfg)
+        resumed, _ = train_step(resumed, scored(resumed, b, cfg), cfg)
     assert resumed.step == state.step
     for (k, a), (_, b) in zip(state.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), k
@@ -97,7 +103,7 @@ def test_truncated_importance_sampling_in_the_update():
     for name, cfg, engine in [("plain", plain_cfg, None), ("same", tis_cfg, old),
                               ("off", tis_cfg, old - 0.5 * batch.loss_mask)]:   # the engine found tokens rarer
         state = make_learner(copy.deepcopy(model), cfg, seed=0)
-        b = TrainBatch(batch.input_ids, batch.loss_mask, batch.advantages, engine_logprobs=engine)
+        b = TrainBatch(batch.input_ids, batch.loss_mask, batch.advantages, old, engine_logprobs=engine)
         state, m = train_step(state, b, cfg)
         grads[name] = first_step_grad(state)
         if cfg.tis_cap:
@@ -106,4 +112,6 @@ def test_truncated_importance_sampling_in_the_update():
     # pi_old / mu = e^0.5 = 1.65 < cap on every token: the gradient is exactly scaled by it
     torch.testing.assert_close(grads["off"], grads["plain"] * math.exp(0.5), rtol=1e-4, atol=1e-7)
     with pytest.raises(ValueError, match="engine_logprobs"):
-        train_step(make_learner(copy.deepcopy(model), tis_cfg, seed=0), batch, tis_cfg)
+        train_step(make_learner(copy.deepcopy(model), tis_cfg, seed=0), replace(batch, old_logprobs=old), tis_cfg)
+    with pytest.raises(ValueError, match="old_logprobs"):                # pi_old has one owner: the caller
+        train_step(make_learner(copy.deepcopy(model), plain_cfg, seed=0), batch, plain_cfg)

@@ -3,11 +3,15 @@ checkpoint I/O, sharded round trips, chunked log-probs against a naive full log-
 left-padded) against full forwards, and activation checkpointing against plain backward. All fp32 on CPU.
 """
 import json
+import math
 import os
 
 import pytest
 import torch
-import transformers
+
+from conftest import need
+
+transformers = need("transformers", "the logits-parity oracle")
 
 from model import KVCache, ModelConfig, Transformer, init_model, load_model, save_model
 
@@ -174,6 +178,25 @@ def test_token_logprobs_equal_naive_log_softmax(chunk_size, temperature):
     torch.testing.assert_close(logp2, exp_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent, exp_ent, rtol=0, atol=1e-5)
     assert ent[:, 1:].min() > 0.1  # a real distribution, not a point mass
+
+
+def test_token_logprobs_entropy_at_the_extremes():
+    """The entropy the learner logs (and maximises with learner.entropy_coef): log V for uniform logits, 0 without
+    overflow for a point mass, and the float64 textbook value in between."""
+    model = tiny_model(tie_word_embeddings=False)
+    ids = random_ids(2, 6)
+    V = model.cfg.vocab_size
+    with torch.no_grad():
+        model.lm_head.weight.zero_()                                       # every logit 0: uniform
+        _, ent = model.token_logprobs(ids, return_entropy=True)
+        torch.testing.assert_close(ent[:, 1:], torch.full((2, 5), math.log(V)), rtol=1e-6, atol=0)
+        model.lm_head.weight.normal_(generator=torch.Generator().manual_seed(3)).mul_(1e4)   # huge logits
+        _, ent = model.token_logprobs(ids, return_entropy=True)
+        assert torch.isfinite(ent).all() and ent[:, 1:].max() < 1e-3
+        model.lm_head.weight.div_(1e4)
+        _, ent = model.token_logprobs(ids, return_entropy=True)
+        p = torch.softmax(model(ids).double(), -1)[:, :-1]                 # (B, T-1, V) float64
+        torch.testing.assert_close(ent[:, 1:].double(), -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_token_logprobs_gradients_equal_naive():

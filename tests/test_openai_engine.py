@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from agent import AgentConfig, SamplingParams, run_episodes
+from agent import AgentConfig, run_episodes
 from model import ModelConfig, init_model
-from rollout import OpenAIEngine, TorchEngine, row_seeds
+from rollout import OpenAIEngine, SamplingParams, TorchEngine, row_seeds
 from test_agent import CalcEnv, calc_task, tok  # noqa: F401 (tok is a fixture)
 
 PAD = 0

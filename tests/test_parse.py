@@ -10,9 +10,10 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import agent
+import chat
 import env as env_module
-from agent import MAX_BLOCKS, MAX_PARSE_CHARS, _loads_lenient, assistant_message, make_action, parse_tool_calls, render
+from chat import (MAX_BLOCKS, MAX_PARSE_CHARS, _loads_lenient, make_action, parse_assistant_message, parse_tool_calls,
+                  render)
 from env import ToolCall
 
 U = {"role": "user", "content": "What is 2 + 3?"}
@@ -34,9 +35,9 @@ def canonical(name: str, arguments: dict) -> str:
 
 
 def rerenders(text: str) -> bool:
-    """render() of assistant_message(text) writes back exactly `text` (qwen2.5)."""
+    """render() of parse_assistant_message(text) writes back exactly `text` (qwen2.5)."""
     prompt = render([U], TOOLS, add_generation_prompt=True)
-    return render([U, assistant_message(text)], TOOLS) == prompt + text + "<|im_end|>\n"
+    return render([U, parse_assistant_message(text)], TOOLS) == prompt + text + "<|im_end|>\n"
 
 
 def timed_parse(text: str):
@@ -56,7 +57,7 @@ def test_well_formed_calls_are_unchanged():
     text = "Let me add.\n" + canonical("add", {"a": 2, "b": 3}) + "\n" + canonical("lookup", {"word": "café"})
     calls, error = parse_tool_calls(text)
     assert error is None and calls == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("lookup", {"word": "café"})]
-    assert assistant_message(text) == {"role": "assistant", "content": "Let me add.", "tool_calls": [
+    assert parse_assistant_message(text) == {"role": "assistant", "content": "Let me add.", "tool_calls": [
         {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
         {"type": "function", "function": {"name": "lookup", "arguments": {"word": "café"}}}]}
     assert rerenders(text)
@@ -70,7 +71,7 @@ def test_well_formed_but_not_canonical_stays_in_content():
                  '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>']:      # a JSON string
         calls, error = parse_tool_calls(text)
         assert calls == [ToolCall("add", {"a": 1})] and error is None
-        assert assistant_message(text) == {"role": "assistant", "content": text} and rerenders(text)
+        assert parse_assistant_message(text) == {"role": "assistant", "content": text} and rerenders(text)
 
 
 # -----------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def test_damaged_calls_are_recovered_and_reported(text, expected, needle):
     assert seconds < BOUND_S
     action = make_action(text)
     assert action.tool_calls == (ToolCall(*expected),) and action.parse_error == error
-    assert assistant_message(text) == {"role": "assistant", "content": text}  # verbatim: it was not canonical
+    assert parse_assistant_message(text) == {"role": "assistant", "content": text}  # verbatim: it was not canonical
 
 
 UNREADABLE = [
@@ -145,7 +146,7 @@ def test_unreadable_calls_are_reported(text, needle):
         assert calls == [ToolCall("add", {"a": 1})]
     else:
         assert calls == [] and needle in error, error
-    assert assistant_message(text) == {"role": "assistant", "content": text}
+    assert parse_assistant_message(text) == {"role": "assistant", "content": text}
 
 
 def test_several_calls_in_one_message_mixed():
@@ -154,7 +155,7 @@ def test_several_calls_in_one_message_mixed():
     calls, error = parse_tool_calls(text)
     assert calls == [ToolCall("add", {"a": 1}), ToolCall("add", {"a": 2}), ToolCall("teleport", {"to": "mars"})]
     assert "single quotes" in error and "not an object" in error
-    msg = assistant_message(text)  # only the canonical run at the end leaves the content
+    msg = parse_assistant_message(text)  # only the canonical run at the end leaves the content
     assert msg["tool_calls"] == [{"type": "function", "function": {"name": "teleport", "arguments": {"to": "mars"}}}]
     assert rerenders(text)
 
@@ -240,11 +241,11 @@ def messages(draw):
     for _ in range(draw(st.integers(0, 3))):
         name, arguments = draw(NAMES), draw(ARGUMENTS)
         calls.append(ToolCall(name, arguments))
-        parts.append(agent._tool_call_text({"name": name, "arguments": arguments}))
+        parts.append(chat.tool_call_text({"name": name, "arguments": arguments}))
     text = "\n".join(parts)
     # names go into the JSON unescaped (as render() writes them), tags inside a string end the block early
     readable = "tool_call>" not in text.replace("<tool_call>\n{", "").replace("}\n</tool_call>", "") and all(
-        json.dumps(c.name, ensure_ascii=False) == f'"{c.name}"' and len(c.name) <= agent.MAX_NAME_CHARS for c in calls)
+        json.dumps(c.name, ensure_ascii=False) == f'"{c.name}"' and len(c.name) <= chat.MAX_NAME_CHARS for c in calls)
     edits = draw(st.lists(st.tuples(st.sampled_from(["insert", "delete", "truncate", "quote", "duplicate"]),
                                     st.integers(0, 10**6), st.sampled_from(NASTY)), max_size=4))
     for op, where, piece in edits:

@@ -18,10 +18,11 @@ ray = need("ray", "a runtime dependency: bash setup.sh installs it")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import tiny  # noqa: E402,F401  (the session's tiny default model, built once)
 
-from agent import AgentConfig, SamplingParams, run_episodes  # noqa: E402
+from agent import AgentConfig, run_episodes  # noqa: E402
 from env import ToyMathEnv, make_env, mix_seed  # noqa: E402
-from rollout import (EnvPool, NumpyWeights, TorchEngine, WorkerSpec, dispatch,  # noqa: E402
-                     make_placement_group, push_weights, start_env_workers, start_rollout_workers)
+from cluster import (EnvPool, NumpyWeights, WorkerSpec, dispatch, make_placement_group, push_weights,  # noqa: E402
+                     start_env_workers, start_rollout_workers)
+from rollout import SamplingParams, TorchEngine  # noqa: E402
 
 AGENT = AgentConfig(n_samples=2, max_turns=3, max_total_tokens=768)
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40)

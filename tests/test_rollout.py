@@ -4,9 +4,8 @@ learner's Transformer.token_logprobs, seeding, ordering, stop/length handling, t
 import pytest
 import torch
 
-from agent import SamplingParams
 from model import ModelConfig, init_model, load_model, save_model
-from rollout import TorchEngine, check_weight_sync, sample_tokens, weight_buckets
+from rollout import SamplingParams, TorchEngine, assert_synced, logprob_gap, sample_tokens, sync_probe, weight_buckets
 
 PAD, VOCAB = 0, 64
 PROMPTS = [[5, 9, 3, 7, 11, 2, 8], [4], [13, 6, 6, 1]]  # different lengths, so the batch is left-padded
@@ -176,8 +175,15 @@ def test_weight_buckets_split_by_size_keep_order_and_cast_lazily():
     assert len(same) == len(sd) and all(t.dtype == torch.float32 and torch.equal(t, sd[k]) for k, t in same)
 
 
+def check_weight_sync(engine, model, prompts, params, max_diff: float) -> float:
+    """The weight-sync gate in one process, as train.check_weight_sync runs it: the engine samples, the learner
+    scores, assert_synced decides."""
+    prompts, gens, temperature = sync_probe(engine, prompts, params)
+    return assert_synced(logprob_gap(model, prompts, gens, temperature), max_diff, len(gens))
+
+
 def test_sync_gate_on_the_torch_engine():
-    """check_weight_sync passes when the engine holds the learner's weights, and fails loudly otherwise."""
+    """The gate passes when the engine holds the learner's weights, and fails loudly otherwise."""
     learner, other = tiny_model(0), tiny_model(1)
     engine = TorchEngine(tiny_model(0), PAD)
     params = SamplingParams(temperature=0.7, max_tokens=8, seed=0)

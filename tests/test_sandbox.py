@@ -24,7 +24,8 @@ import pytest
 
 import env
 import sandbox
-from env import ExecLimits, Task, ToolCall, ToyMathEnv, Action, check_program, execute_python, run_python
+from env import Action, Task, ToolCall, ToyMathEnv
+from sandbox import ExecLimits, check_program, execute_python, run_python
 
 SECRET = "canary-7f3a9c"  # must never come out of the sandbox
 AS_ROOT = os.geteuid() == 0

@@ -2,9 +2,11 @@
 token sequences the policy is later asked to produce."""
 import random
 
-from agent import AgentConfig, Generation, SamplingParams, render, run_episodes
+from agent import AgentConfig, run_episodes
+from chat import encode, render
+from rollout import Generation, SamplingParams
 from env import make_env
-from sft import encode, tokenize_conversation, train_tokenizer
+from sft import tokenize_conversation, train_tokenizer
 
 
 def spans(ids, mask):
