@@ -177,18 +177,32 @@ def encode(tokenizer, text: str) -> list[int]:
 # at the end of a block that was closed. A block whose </tool_call> never comes (a generation cut by
 # max_tokens, a forgotten tag) still gives its call when its JSON is complete. Every repair is reported,
 # so the error is None only for a well-formed message.
-# Bounded time: MAX_PARSE_CHARS of a message are scanned, MAX_BLOCKS blocks read; the (pure Python)
-# repairing reader gets MAX_REPAIR_CHARS and MAX_REPAIR_STEPS per block, and reads string contents in
-# bulk. Every scan is linear: literal tags, and regexes that are single character classes or fixed
-# sequences (nothing that can backtrack).
+# A tag written inside a JSON string of a call (python code that prints "</tool_call>") does not end the
+# block: when the block's first reading (up to the next tag) gives no call and that tag lies inside a
+# double-quoted string (an odd number of unescaped quotes before it), the block runs on to the first tag
+# outside its strings, and that longer reading is kept if it gives a call and no text after its JSON. A
+# block with an unbalanced quote, whose strings never close or whose longer reading fails, keeps its first
+# reading, as before: it cannot swallow the calls after it (_string_aware_end).
+# Several JSON objects in one block ({...}{...}, or one per line) are read as several calls, in order, and
+# reported: the format is one object per <tool_call>. WHY run them rather than refuse them: the model's
+# intent is plain, each object is checked as strictly as a call in its own block, and the env still counts
+# a parse failure, so the policy learns the format without the calls being lost.
+# Bounded time: MAX_PARSE_CHARS of a message are scanned, MAX_BLOCKS blocks and calls read; the (pure
+# Python) repairing reader gets MAX_REPAIR_CHARS and MAX_REPAIR_STEPS per block, and reads string contents
+# in bulk. Every scan is linear: literal tags, and regexes that are single character classes or fixed
+# sequences (nothing that can backtrack). The string-aware reading of a block only runs over tags whose
+# segments hold an even number of quotes, so none of those tags starts a string-aware reading of its own:
+# the readings overlap at their ends only, and the message is read a bounded number of times.
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARSE_CHARS = 100_000   # characters of a message scanned for tool calls (the rest is kept as text)
-MAX_BLOCKS = 16             # <tool_call> blocks read per message; later ones are reported, not read
+MAX_BLOCKS = 16             # <tool_call> blocks read, and calls returned, per message; later ones are reported
 MAX_REPAIR_CHARS = 20_000   # a longer block that is not strict JSON is not repaired
 MAX_REPAIR_STEPS = 1_000    # values, keys and escapes the repairing reader reads per block (a few ms)
 MAX_NAME_CHARS = 64         # a longer tool name is refused
 _TAG_RE = re.compile(r"</?tool_call>")
+_ESCAPE_PAIR = re.compile(r"\\.", re.S)   # a backslash and the character it escapes
+_DECODER = json.JSONDecoder()
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
@@ -196,9 +210,10 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
 
     Never raises. Returns the calls that could be read (well-formed or repaired, in order) and a
     description of everything malformed, None when all is well formed: invalid JSON (repaired or not),
-    a missing name, arguments that are not an object, an unclosed <tool_call>, a stray </tool_call>.
-    Text without calls -> ([], None). {"tool": ..., "args": ...} and arguments given as a JSON-encoded
-    string are accepted as well-formed. Unknown tool names parse: the env reports them.
+    a missing or blank name, arguments that are not an object, an unclosed <tool_call>, a stray
+    </tool_call>, several objects in one block (each is read as a call). Text without calls -> ([], None).
+    {"tool": ..., "args": ...} and arguments given as a JSON-encoded string are accepted as well-formed.
+    Unknown tool names parse: the env reports them.
     """
     split = _split_tool_calls(text)
     return split.calls, split.error
@@ -229,44 +244,93 @@ class _Split(NamedTuple):
     content_calls: list[ToolCall]  # the calls of those blocks
 
 
+class _Block(NamedTuple):
+    start: int                     # index of its <tool_call> in the text
+    end: int                       # index just past its </tool_call> (or where it stopped: the next tag, the end)
+    calls: list[ToolCall]          # the calls its JSON gave (several objects: several calls)
+    problems: list[str]            # what was wrong with it
+
+
+def _quote_parity(segment: str) -> int:
+    """1 when `segment` holds an odd number of double quotes that a backslash does not escape (it leaves a JSON
+    string open, or closes one), else 0. Linear: one C-level pass to drop escape pairs, one to count."""
+    return _ESCAPE_PAIR.sub("", segment).count('"') & 1
+
+
+def _string_aware_end(scanned: str, tags: list[tuple[int, int, bool]], i: int, complete: bool) -> int | None:
+    """For the block opened by tags[i], whose first segment (up to tags[i + 1] or the end) leaves a JSON string
+    open: the index of the first later tag outside its strings (len(tags): the end of the text), or None when
+    its strings never close (an unbalanced quote) or the tags beyond `tags` were not scanned (complete False)."""
+    parity = 1
+    for k in range(i + 1, len(tags)):
+        if parity == 0:
+            return k
+        stop = tags[k + 1][0] if k + 1 < len(tags) else len(scanned) if complete else None
+        if stop is None:
+            return None
+        parity ^= _quote_parity(scanned[tags[k][1]:stop])
+    return len(tags) if parity == 0 and complete else None
+
+
+def _read_block(scanned: str, tags: list[tuple[int, int, bool]], i: int, k: int, whole: bool = False) -> _Block:
+    """The block opened by tags[i] and ended by tags[k] (k == len(tags): by the end of the text); whole: see
+    _parse_call_body."""
+    start, body_start = tags[i][0], tags[i][1]
+    if k == len(tags):
+        ending, stop, end = "end", len(scanned), len(scanned)
+    else:
+        ending = "next" if tags[k][2] else "closed"
+        stop, end = tags[k][0], tags[k][0] if tags[k][2] else tags[k][1]
+    calls, problems = _parse_call_body(scanned[body_start:stop], closed=ending == "closed", whole=whole)
+    if ending == "next":
+        problems.insert(0, f"<tool_call> at char {start} is not closed before the next one")
+    elif ending == "end":
+        problems.insert(0, f"<tool_call> at char {start} is not closed (truncated generation?)")
+    return _Block(start, end, calls, problems)
+
+
 def _split_tool_calls(text: str) -> _Split:
     """One scan of the message for both parse_tool_calls and parse_assistant_message."""
     scanned = text[:MAX_PARSE_CHARS]
     problems = [] if len(text) <= MAX_PARSE_CHARS else [
         f"message longer than {MAX_PARSE_CHARS} characters: tool calls after that were not read"]
-    blocks = []                        # (start, end, body, how it ended: "closed" | "next" | "end")
-    open_at = None                     # index of the pending <tool_call> tag, if any
-    for n_tags, m in enumerate(_TAG_RE.finditer(scanned)):
-        if len(blocks) == MAX_BLOCKS or n_tags == 4 * MAX_BLOCKS:
-            problems.append(f"more than {MAX_BLOCKS} tool calls: the rest were not read")
-            open_at = None
+    tags = []                          # (start, end, is it <tool_call>) of the first 4 * MAX_BLOCKS tags
+    complete = True                    # False: more tags follow that were not scanned
+    for m in _TAG_RE.finditer(scanned):
+        if len(tags) == 4 * MAX_BLOCKS:
+            complete = False
             break
-        if m.group() == TOOL_CALL_OPEN:
-            if open_at is not None:
-                blocks.append((open_at, m.start(), scanned[open_at + len(TOOL_CALL_OPEN):m.start()], "next"))
-            open_at = m.start()
-        elif open_at is None:
-            problems.append(f"stray </tool_call> at char {m.start()}")
-        else:
-            blocks.append((open_at, m.end(), scanned[open_at + len(TOOL_CALL_OPEN):m.start()], "closed"))
-            open_at = None
-    if open_at is not None:
-        blocks.append((open_at, len(scanned), scanned[open_at + len(TOOL_CALL_OPEN):], "end"))
+        tags.append((m.start(), m.end(), m.group() == TOOL_CALL_OPEN))
 
-    calls, canonical = [], []          # canonical: (start, end, call) of blocks exactly as render() writes them
-    for start, end, body, ending in blocks:
-        call, problem = _parse_call_body(body, closed=ending == "closed")
-        if ending == "next":
-            problems.append(f"<tool_call> at char {start} is not closed before the next one")
-        elif ending == "end":
-            problems.append(f"<tool_call> at char {start} is not closed (truncated generation?)")
-        if problem is not None:
-            problems.append(problem)
-        if call is not None:
-            calls.append(call)
-            if problem is None and ending == "closed" and text[start:end] == tool_call_text(
-                    {"name": call.name, "arguments": call.arguments}):
-                canonical.append((start, end, call))
+    blocks, i = [], 0
+    while i < len(tags) and len(blocks) < MAX_BLOCKS:
+        start, body_start, is_open = tags[i]
+        if not is_open:
+            problems.append(f"stray </tool_call> at char {start}")
+            i += 1
+            continue
+        if i + 1 == len(tags) and not complete:   # where this block ends was not scanned
+            break
+        k = i + 1                      # the plain reading: the block ends at the next tag
+        block = _read_block(scanned, tags, i, k)
+        stop = tags[k][0] if k < len(tags) else len(scanned)
+        if not block.calls and _quote_parity(scanned[body_start:stop]):
+            k_str = _string_aware_end(scanned, tags, i, complete)   # that tag was inside a JSON string
+            if k_str is not None:
+                longer = _read_block(scanned, tags, i, k_str, whole=True)
+                if longer.calls:
+                    block, k = longer, k_str
+        blocks.append(block)
+        problems += block.problems
+        i = k + (k < len(tags) and not tags[k][2])   # a </tool_call> belongs to its block, a <tool_call> opens the next
+    calls = [c for b in blocks for c in b.calls]
+    if i < len(tags) or not complete or len(calls) > MAX_BLOCKS:
+        problems.append(f"more than {MAX_BLOCKS} tool calls: the rest were not read")
+        calls = calls[:MAX_BLOCKS]
+
+    canonical = [(b.start, b.end, b.calls[0]) for b in blocks  # blocks exactly as render() writes them
+                 if not b.problems and len(b.calls) == 1 and text[b.start:b.end] == tool_call_text(
+                     {"name": b.calls[0].name, "arguments": b.calls[0].arguments})]
     error = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more problems" if len(problems) > 8 else "")
     content, content_calls = text, []
     for k in range(len(canonical)):    # the longest run of canonical blocks that render() writes back as text
@@ -279,29 +343,66 @@ def _split_tool_calls(text: str) -> _Split:
     return _Split(calls, error or None, content, content_calls)
 
 
-def _parse_call_body(body: str, closed: bool) -> tuple[ToolCall | None, str | None]:
-    """The text between <tool_call> and </tool_call> -> (call, None) if well formed, (call, what was
-    repaired) if readable, (None, why not). closed: the block had its </tool_call>; only then may the
-    lenient reader add missing closing brackets (an unclosed block must hold complete JSON)."""
-    obj, repairs = None, []
+def _strict_objects(body: str) -> list[dict] | None:
+    """Two to MAX_BLOCKS JSON objects, separated only by whitespace, that fill `body` exactly (strict JSON);
+    None when `body` is not that (then the lenient reader has its say)."""
+    objs, i = [], _WS.match(body).end()
     try:
-        obj = json.loads(body)
+        while i < len(body) and len(objs) < MAX_BLOCKS and body[i] == "{":
+            obj, i = _DECODER.raw_decode(body, i)
+            objs.append(obj)
+            i = _WS.match(body, i).end()
+    except (ValueError, RecursionError):
+        return None
+    return objs if len(objs) > 1 and i == len(body) else None
+
+
+def _parse_call_body(body: str, closed: bool, whole: bool = False) -> tuple[list[ToolCall], list[str]]:
+    """The text between <tool_call> and </tool_call> -> (calls, problems): ([call], []) if well formed, the calls
+    and what was repaired if readable, ([], [why not]) if not. Several objects give several calls (and a problem).
+    closed: the block had its </tool_call>; only then may the lenient reader add missing closing brackets (an
+    unclosed block must hold complete JSON). whole: text after the JSON is refused rather than ignored (the
+    string-aware reading of a block must not end past its JSON, which would hide the calls it ran over)."""
+    repairs = []
+    try:
+        objs = [json.loads(body)]
     except (ValueError, RecursionError) as e:      # JSONDecodeError is a ValueError; deep nesting recurses
         strict_error = f"invalid JSON in tool call: {e}"
-        if len(body) > MAX_REPAIR_CHARS:
-            return None, strict_error + " (too long to repair)"
-        try:
-            obj, repairs = _loads_lenient(body, close_at_end=closed)
-        except ValueError:
-            return None, strict_error
+        objs = _strict_objects(body)
+        if objs is None and len(body) > MAX_REPAIR_CHARS:
+            return [], [strict_error + " (too long to repair)"]
+        if objs is None:
+            try:
+                objs, repairs = _read_lenient(body, close_at_end=closed, max_values=MAX_BLOCKS, whole=whole)
+            except ValueError:
+                return [], [strict_error]
+    calls, problems = [], []
+    for obj in objs:
+        call, problem, more = _call_of(obj)
+        if call is None:
+            problems.append(problem)
+        else:
+            calls.append(call)
+            repairs += [r for r in more if r not in repairs]
+    if len(objs) > 1:
+        problems.insert(0, f"{len(objs)} JSON objects in one <tool_call>, read as {len(calls)} "
+                           f"call{'' if len(calls) == 1 else 's'} (write one object per <tool_call>)")
+    if repairs and calls:
+        names = ", ".join(repr(c.name) for c in calls)
+        problems.insert(0, f"invalid JSON in tool call {names}, repaired: {', '.join(repairs)}")
+    return calls, problems
+
+
+def _call_of(obj) -> tuple[ToolCall | None, str | None, list[str]]:
+    """One parsed JSON value -> (call, None, what its arguments string needed repaired) or (None, why not, [])."""
     if not isinstance(obj, dict):
-        return None, f"tool call is a JSON {type(obj).__name__}, not an object"
+        return None, f"tool call is a JSON {type(obj).__name__}, not an object", []
     name = obj.get("name", obj.get("tool"))       # {"name", "arguments"} (Qwen) or {"tool", "args"}
-    if not isinstance(name, str) or not name:
-        return None, "tool call without a name"
+    if not isinstance(name, str) or not name.strip():
+        return None, "tool call without a name", []
     if len(name) > MAX_NAME_CHARS:
-        return None, f"tool name longer than {MAX_NAME_CHARS} characters"
-    args = obj["arguments"] if "arguments" in obj else obj.get("args")
+        return None, f"tool name longer than {MAX_NAME_CHARS} characters", []
+    args, repairs = obj["arguments"] if "arguments" in obj else obj.get("args"), []
     if args is None:                              # a call of a function without parameters
         args = {}
     if isinstance(args, str):                     # OpenAI-style arguments: a JSON-encoded string
@@ -309,16 +410,14 @@ def _parse_call_body(body: str, closed: bool) -> tuple[ToolCall | None, str | No
             args = json.loads(args)
         except (ValueError, RecursionError) as e:
             if len(args) > MAX_REPAIR_CHARS:
-                return None, f"tool {name!r}: arguments string is not valid JSON: {e}"
+                return None, f"tool {name!r}: arguments string is not valid JSON: {e}", []
             try:
-                args, more = _loads_lenient(args, close_at_end=False)
-                repairs += [r for r in more if r not in repairs]
+                args, repairs = _loads_lenient(args, close_at_end=False)
             except ValueError:
-                return None, f"tool {name!r}: arguments string is not valid JSON: {e}"
+                return None, f"tool {name!r}: arguments string is not valid JSON: {e}", []
     if not isinstance(args, dict):
-        return None, f"tool {name!r}: arguments are a JSON {type(args).__name__}, not an object"
-    call = ToolCall(name=name, arguments=args)
-    return call, (f"invalid JSON in tool call {name!r}, repaired: {', '.join(repairs)}" if repairs else None)
+        return None, f"tool {name!r}: arguments are a JSON {type(args).__name__}, not an object", []
+    return ToolCall(name=name, arguments=args), None, repairs
 
 
 # -----------------------------------------------------------------------------
@@ -340,6 +439,16 @@ def _loads_lenient(body: str, close_at_end: bool) -> tuple[object, list[str]]:
     Raises ValueError when even that fails. Text before the object and after it is ignored (and
     reported: a code fence, usually).
     """
+    values, repairs = _read_lenient(body, close_at_end, max_values=1, whole=False)
+    return values[0], repairs
+
+
+def _read_lenient(body: str, close_at_end: bool, max_values: int, whole: bool) -> tuple[list, list[str]]:
+    """The first JSON object in `body` and up to max_values - 1 more that follow it, separated only by whitespace
+    -> (values, what was repaired). Raises ValueError when the first fails; a later one that fails is left as
+    text after the JSON. Only the first object may be closed by the end of the text (close_at_end): a later one
+    must be complete, as a call in a block cut short must be (never run a call whose JSON was cut). whole: text
+    after the JSON (other than the backticks of a code fence) raises ValueError instead of being reported."""
     start = body.find("{")
     if start < 0:
         raise ValueError("no JSON object")
@@ -347,11 +456,21 @@ def _loads_lenient(body: str, close_at_end: bool) -> tuple[object, list[str]]:
     before = body[:start].strip()
     if before:
         reader.repair("a code fence around the JSON" if before.startswith("```") else "text before the JSON")
-    value = reader.value(0)
+    values = [reader.value(0)]
+    reader.close_at_end = False
+    while len(values) < max_values and reader.peek() == "{":
+        at, repairs = reader.i, list(reader.repairs)
+        try:
+            values.append(reader.value(0))
+        except ValueError:
+            reader.i, reader.repairs = at, repairs
+            break
     after = body[reader.i:].strip()
+    if whole and after.strip("`"):
+        reader.fail("text after the JSON")
     if after:
         reader.repair("a code fence around the JSON" if after.startswith("```") else "text after the JSON")
-    return value, reader.repairs
+    return values, reader.repairs
 
 
 class _LenientJSON:

@@ -1,4 +1,4 @@
-"""Tests for agent.py's tool-call parsing on bad model output: hand-written cases for each kind of damage,
+"""Tests for chat.py's tool-call parsing on bad model output: hand-written cases for each kind of damage,
 parity of the repairing reader with json.loads on valid JSON, and property-based tests (hypothesis) over
 random and mutated tool calls: no exception escapes, time stays bounded, assistant_message always
 re-renders to the text it came from. The oracle for what a call should be is the call the text was
@@ -131,9 +131,12 @@ UNREADABLE = [
     (block('"add"'), "not an object"),
     (block('{"arguments": {"a": 1}}'), "without a name"),
     (block('{"name": 7, "arguments": {}}'), "without a name"),
+    (block('{"name": " ", "arguments": {}}'), "without a name"),                         # blank, like ""
+    (block('{"name": "\\t\\n \\u00a0", "arguments": {}}'), "without a name"),
+    (block('{"tool": "   ", "args": {"a": 1}}'), "without a name"),
     (block('{"name": "' + "n" * 100 + '", "arguments": {}}'), "longer than"),
     (block('{"name": "add" "arguments": {}}'), "invalid JSON"),                         # a missing comma
-    (block('{"name": "add", "arguments": {"a": 1}} {"name": "b"'), None),  # extra text: first object only
+    (block('{"name": "add", "arguments": {"a": 1}} {"name": "b"'), None),  # a second object cut short: not run
     (block(""), "invalid JSON"), (block("hello"), "invalid JSON"),
 ]
 
@@ -158,6 +161,116 @@ def test_several_calls_in_one_message_mixed():
     msg = parse_assistant_message(text)  # only the canonical run at the end leaves the content
     assert msg["tool_calls"] == [{"type": "function", "function": {"name": "teleport", "arguments": {"to": "mars"}}}]
     assert rerenders(text)
+
+
+# -----------------------------------------------------------------------------
+# a tag inside a JSON string does not end the block; an unbalanced quote does not swallow the calls after it
+
+PRINT_OPEN = {"code": 'print("<tool_call>")'}
+TAG_IN_STRING = [
+    # (the call, written canonically: its block holds a tag inside a JSON string)
+    ("python_exec", PRINT_OPEN),
+    ("python_exec", {"code": "print('</tool_call>')"}),
+    ("python_exec", {"code": 's = "</tool_call>\\n<tool_call>"\nprint(s)'}),          # escaped quotes, both tags
+    ("lookup", {"word": "<tool_call>", "path": "C:\\", "then": "</tool_call>"}),    # a string ending in a backslash
+    ("<tool_call>", {}),                                                             # in the name
+]
+
+
+@pytest.mark.parametrize("name, arguments", TAG_IN_STRING)
+def test_tag_inside_a_json_string_does_not_end_the_block(name, arguments):
+    call = ToolCall(name, arguments)
+    for text in [canonical(name, arguments), "Run it.\n" + canonical(name, arguments) + "\n" + canonical("add", {"a": 1})]:
+        calls, error, seconds = timed_parse(text)
+        assert calls == [call] + [ToolCall("add", {"a": 1})] * ("Run it." in text) and error is None, error
+        assert seconds < BOUND_S
+        msg = parse_assistant_message(text)                  # canonical: the calls leave the content
+        assert [c["function"] for c in msg["tool_calls"]] == [{"name": c.name, "arguments": c.arguments} for c in calls]
+        assert rerenders(text)
+
+
+def test_tag_inside_a_json_string_with_other_damage():
+    code = "print('</tool_call>')\nx = 1"                              # a raw newline: repaired, reported
+    text = '<tool_call>{"name": "python_exec", "arguments": {"code": "' + code + '"}}</tool_call>'
+    calls, error = parse_tool_calls(text)
+    assert calls == [ToolCall("python_exec", {"code": code})] and "raw control characters" in error
+    # cut by max_tokens after a complete call: read, reported as not closed
+    calls, error = parse_tool_calls('<tool_call>\n{"name": "python_exec", "arguments": {"code": "print(\'<tool_call>\')"}}')
+    assert calls == [ToolCall("python_exec", {"code": "print('<tool_call>')"})] and "not closed (truncated" in error
+    # not closed before the next block
+    text = '<tool_call>{"name": "a", "arguments": {"s": "<tool_call>"}}<tool_call>{"name": "b"}</tool_call>'
+    calls, error = parse_tool_calls(text)
+    assert calls == [ToolCall("a", {"s": "<tool_call>"}), ToolCall("b", {})] and "not closed before the next" in error
+    assert rerenders(text)
+
+
+BROKEN_A = block('{"name": "a", "arguments": {"x": "oops}}')          # an unbalanced quote
+UNBALANCED = [
+    # (text, the calls it must give): what the block-by-block reading gives, as before the string-aware scan
+    (BROKEN_A + "\n" + canonical("b", {"y": 1}), [ToolCall("b", {"y": 1})]),
+    (BROKEN_A + "\n" + block('{"name": "b", "arguments": {"y": "z}}') + "\n" + canonical("c", {}),  # two of them
+     [ToolCall("c", {})]),
+    (BROKEN_A + '\nsay "hi"\n' + canonical("b", {}) + "\n" + canonical("c", {}), [ToolCall("b", {}), ToolCall("c", {})]),
+    ('<tool_call>{"name": "a", "arguments": {"x": "it"s"}}</tool_call>' + canonical("b", {}), [ToolCall("b", {})]),
+    # the longer reading gives a call but leaves text after its JSON (here, the call it ran over): refused
+    ('<tool_call>{"name": "f", "arguments": {"a": "<tool_call>"}}</tool_cal>\n{"name": "add", "arguments": {}}'
+     '</tool_call>', [ToolCall("add", {})]),
+]
+
+
+@pytest.mark.parametrize("text, expected", UNBALANCED)
+def test_unbalanced_quote_does_not_swallow_the_calls_after_it(text, expected):
+    calls, error, seconds = timed_parse(text)
+    assert calls == expected and "invalid JSON" in error and seconds < BOUND_S
+    assert rerenders(text)
+
+
+# -----------------------------------------------------------------------------
+# several JSON objects in one <tool_call>: each is read as a call, and the error says so (one object per tag)
+
+A, B = '{"name": "a", "arguments": {"x": 1}}', '{"name": "b", "arguments": {}}'
+SEVERAL = [
+    # (text, the calls it must give, words of the error)
+    ("<tool_call>" + A + B + "</tool_call>", ["a", "b"], ["2 JSON objects", "read as 2 calls"]),
+    (block(A + "\n" + B), ["a", "b"], ["2 JSON objects"]),
+    (block(A + "\n\n" + B + " " + A), ["a", "b", "a"], ["3 JSON objects", "read as 3 calls"]),
+    (block(A.replace('"', "'") + "\n" + B), ["a", "b"], ["2 JSON objects", "single quotes"]),   # repaired too
+    (block(A + "\n" + '{"name": "b", "arguments": [1]}'), ["a"], ["2 JSON objects", "read as 1 call ", "not an object"]),
+    (block(A + "\n" + B + "\n```"), ["a", "b"], ["2 JSON objects", "code fence"]),
+    ('<tool_call>\n' + A + '\n' + B, ["a", "b"], ["2 JSON objects", "not closed (truncated"]),
+]
+
+
+@pytest.mark.parametrize("text, names, needles", SEVERAL)
+def test_several_objects_in_one_tag_are_several_calls(text, names, needles):
+    calls, error, seconds = timed_parse(text)
+    by_name = {"a": ToolCall("a", {"x": 1}), "b": ToolCall("b", {})}
+    assert calls == [by_name[n] for n in names] and seconds < BOUND_S
+    assert error is not None and all(n in error for n in needles), error
+    assert parse_assistant_message(text) == {"role": "assistant", "content": text} and rerenders(text)  # not canonical
+
+
+def test_several_objects_in_one_tag_run_in_the_env_and_keep_the_message_exact():
+    text = block(A + "\n" + B) + "\n" + canonical("c", {})
+    calls, error = parse_tool_calls(text)
+    assert calls == [ToolCall("a", {"x": 1}), ToolCall("b", {}), ToolCall("c", {})] and "2 JSON objects" in error
+    msg = parse_assistant_message(text)                      # the canonical block at the end leaves the content
+    assert msg["content"] == block(A + "\n" + B) and [c["function"]["name"] for c in msg["tool_calls"]] == ["c"]
+    assert rerenders(text)
+    toy = env_module.make_env("toy_math")                    # both calls run, the parse failure is counted
+    state, _ = toy.reset(toy.sample_tasks("train", 1, seed=0)[0], seed=0)
+    two = block('{"name": "python_eval", "arguments": {"code": "2 + 3"}}\n'
+                '{"name": "python_eval", "arguments": {"code": "4 * 5"}}')
+    state, obs, reward, done, info = toy.step(state, make_action(two))
+    assert [m["content"] for m in obs[:2]] == ["5", "20"] and obs[2]["name"] == "error"
+    assert "2 JSON objects" in obs[2]["content"] and (state.parse_failures, state.tool_calls) == (1, 2)
+
+
+def test_several_objects_count_towards_the_call_limit():
+    text = block("\n".join([B] * 10)) + "\n" + "\n".join(canonical("c", {"i": i}) for i in range(10))
+    calls, error = parse_tool_calls(text)
+    assert calls == [ToolCall("b", {})] * 10 + [ToolCall("c", {"i": i}) for i in range(6)]
+    assert f"more than {MAX_BLOCKS} tool calls" in error and rerenders(text)
 
 
 def test_unknown_tool_parses_and_the_env_reports_it():
@@ -199,6 +312,12 @@ def test_limits_on_size_and_count():
     block("{'k': [" + "'a'," * 4_900 + "]}"), block('{"s": "' + "\\d" * 9_000 + '",}'),
     block("{" + "'a': 1, " * 2_400 + "}"), "x" * 1_000_000, "<tool_call>" + "\\" * 99_000,
     "<tool_call>\n" + '{"name": "a", "arguments": {"code": "' + "\\n" * 40_000 + '"}}',
+    # tags inside strings, quotes that flip at every tag, escaped quotes, many objects in one tag
+    '<tool_call>{"name": "a", "arguments": {"x": "' + "</tool_call>" * 70 + '"}}</tool_call>',
+    ('<tool_call>"' + "x" * 1_500) * 64, '"<tool_call>' * 8_000, '<tool_call>"</tool_call>' * 4_000,
+    '<tool_call>"' + '\\"' * 49_000 + '</tool_call>"', "<tool_call>" + '{"name": "a"}\n' * 7_000 + "</tool_call>",
+    "<tool_call>" + "{'name': 'a'}" * 1_500 + "</tool_call>",
+    '<tool_call>{"x": "' + '</tool_call>\n<tool_call>{"name": "a", "arguments": {}}' * 1_000,
 ])
 def test_adversarial_inputs_take_milliseconds(text):
     assert timed_parse(text)[2] < BOUND_S
@@ -243,9 +362,9 @@ def messages(draw):
         calls.append(ToolCall(name, arguments))
         parts.append(chat.tool_call_text({"name": name, "arguments": arguments}))
     text = "\n".join(parts)
-    # names go into the JSON unescaped (as render() writes them), tags inside a string end the block early
-    readable = "tool_call>" not in text.replace("<tool_call>\n{", "").replace("}\n</tool_call>", "") and all(
-        json.dumps(c.name, ensure_ascii=False) == f'"{c.name}"' and len(c.name) <= chat.MAX_NAME_CHARS for c in calls)
+    # names go into the JSON unescaped (as render() writes them); a blank name is refused
+    readable = all(json.dumps(c.name, ensure_ascii=False) == f'"{c.name}"' and c.name.strip()
+                   and len(c.name) <= chat.MAX_NAME_CHARS for c in calls)
     edits = draw(st.lists(st.tuples(st.sampled_from(["insert", "delete", "truncate", "quote", "duplicate"]),
                                     st.integers(0, 10**6), st.sampled_from(NASTY)), max_size=4))
     for op, where, piece in edits:
@@ -273,6 +392,24 @@ def test_parse_mutated_calls_never_raises_and_stays_fast(message):
     assert error is None or isinstance(error, str)
     assert rerenders(text)                                  # whatever the damage, no drift on re-rendering
     if intact:                                               # undamaged: exactly the calls it was made from
+        assert (calls, error) == (calls_made, None)
+
+
+TRICKY_STRINGS = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", '"', "\\", "\\\"", "'", "{", "}", "a", "\n"]),
+                          max_size=8).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "python_exec"]), st.dictionaries(
+    st.sampled_from(["code", "a", "<tool_call>"]), TRICKY_STRINGS, max_size=3)), max_size=3), st.text(max_size=10))
+def test_strings_with_tags_quotes_and_backslashes_parse_exactly(specs, prefix):
+    """Canonical calls whose strings hold tags, quotes and backslashes: exactly the calls they were made from."""
+    calls_made = [ToolCall(name, arguments) for name, arguments in specs]
+    text = "\n".join(([prefix] if prefix else []) + [chat.tool_call_text({"name": c.name, "arguments": c.arguments})
+                                                     for c in calls_made])
+    calls, error, seconds = timed_parse(text)
+    assert seconds < BOUND_S and rerenders(text)
+    if "tool_call>" not in prefix:
         assert (calls, error) == (calls_made, None)
 
 
