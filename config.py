@@ -7,9 +7,13 @@ file in configs/ holds only what differs from these defaults; the command line c
 
 Values are type-checked against the field's type; an unknown key is an error that names the closest
 valid key (a typo must never silently train with the default). The resolved config is saved with the run.
+The files and folders a config names are checked by the entry points (check_paths), so a wrong path is one line,
+`config error: ...`, and exit status 2 (config_exit), before anything is built.
 """
 import dataclasses
 import difflib
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +24,9 @@ import algos
 from agent import AgentConfig
 from chat import CHAT_FORMATS
 from cluster import DISPATCHERS, RayConfig
+from env import env_class
 from learner import LearnerConfig
+from model import safetensors_files
 
 
 @dataclass
@@ -225,13 +231,16 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     patches = []
     if path:
         with open(path) as f:
-            patches.append(yaml.safe_load(f) or {})
+            patch = _yaml(f.read(), path)
+        if not isinstance(patch, (dict, type(None))):
+            raise TypeError(f"{path} must hold a mapping of config keys, not a {type(patch).__name__}")
+        patches.append(patch or {})
     for o in overrides:
         if "=" not in o:
             raise ValueError(f"override '{o}' must look like key.sub=value")
         k, v = o.split("=", 1)
-        patch: dict = {}
-        _set_path(patch, k.strip(), yaml.safe_load(v))
+        patch = {}
+        _set_path(patch, k.strip(), _yaml(v, f"override '{o}'"))
         patches.append(patch)
     name = Config().algo.name                     # the preset is the last algo.name given anywhere
     for p in patches:
@@ -246,6 +255,16 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     for p in [preset] + patches:
         _merge(d, p, "")
     return validate(from_dict(Config, d))
+
+
+def _yaml(text: str, where: str):
+    """yaml.safe_load, a syntax error as one ValueError line that says where."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"{where} is not valid YAML: {problem or e}{at}") from None
 
 
 def validate(cfg: Config) -> Config:
@@ -347,3 +366,95 @@ def engine_options(cfg: Config) -> dict:
             "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
             "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
             "base_url": rollout.base_url, "served_model": rollout.served_model}
+
+
+# -----------------------------------------------------------------------------
+# the files and folders a config names: checked by the entry points (train.cli, eval.main) before anything is
+# built, so a wrong path is one clear line, not a traceback from deep inside tokenizers or torch.load. load_config
+# stays pure (tests build configs with paths that do not exist); these read the file system.
+
+def config_exit(e: Exception):
+    """How an entry point ends on bad input: `config error: ...` (one line, on stderr) and exit status 2, the status
+    argparse gives bad arguments. Raises SystemExit; its str() is that line, for whoever catches it (tests)."""
+    message = "config error: " + " ".join(str(e.args[0] if len(e.args) == 1 else e).split())
+    print(message, file=sys.stderr, flush=True)
+    stop = SystemExit(message)
+    stop.code = 2
+    raise stop
+
+
+def _named(key: str, path) -> str:
+    return f"{key} {path!r}" if key.startswith("--") else f"{key}={path!r}"   # a flag, or a config key
+
+
+def check_file(path, key: str) -> str:
+    """`path` if it is a file; else ValueError naming `key` (a config key, or a flag like --config)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{_named(key, path)} must be the path of a file")
+    if not os.path.isfile(path):
+        raise ValueError(f"{_named(key, path)}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
+    return path
+
+
+def _check_folder(path, key: str, what: str) -> str:
+    """`path` if it is a folder; else ValueError naming `key`, the path and `what` it should be."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{_named(key, path)} must be the path of {what}")
+    if not os.path.isdir(path):
+        raise ValueError(f"{_named(key, path)}: " + (f"a file, not {what}" if os.path.exists(path) else "no such folder"))
+    return path
+
+
+def _refuse_missing(path: str, key: str, what: str, missing: list[str]) -> str:
+    """`path` when nothing is `missing`; else ValueError naming `key`, the path and everything missing."""
+    if missing:
+        listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " or " + missing[-1]
+        raise ValueError(f"{_named(key, path)} is not {what}: it has no {listed}")
+    return path
+
+
+def check_model_folder(path, key: str, weights: bool = True) -> str:
+    """`path` if it is a Hugging Face model folder as model.load_model and the engines read it: config.json,
+    tokenizer.json and the weights (model.safetensors, or the shards model.safetensors.index.json lists); else
+    ValueError naming `key` and what is missing. weights=False: only the tokenizer is read (the openai engine's
+    folder). The one check for any model a config names (the policy, a checkpoint, a teacher or reference)."""
+    what = "a Hugging Face model folder"
+    _check_folder(path, key, what)
+    needs = (["config.json"] if weights else []) + ["tokenizer.json"]
+    missing = [n for n in needs if not os.path.isfile(os.path.join(path, n))]
+    if weights:
+        try:                                      # model.safetensors, or every shard the index lists
+            shards = safetensors_files(path)
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):  # not {"weight_map": {name: file}}
+            raise ValueError(f"{_named(key, path)}: its model.safetensors.index.json is not a readable index") from None
+        absent = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if shards == ["model.safetensors"] and absent:
+            missing.append("weights (model.safetensors, or model.safetensors.index.json and its shards)")
+        else:
+            missing += [f"{s} (listed in model.safetensors.index.json)" for s in absent]
+    return _refuse_missing(path, key, what, missing)
+
+
+def check_checkpoint_folder(path, key: str, critic: bool = False) -> str:
+    """`path` if it is a checkpoint folder that a run resumes from (learner.save_checkpoint wrote trainer_state.pt,
+    and critic/trainer_state.pt for PPO's critic when `critic`); else ValueError naming `key`."""
+    what = "a checkpoint folder"
+    _check_folder(path, key, what)
+    needs = ["trainer_state.pt"] + (["critic/trainer_state.pt"] if critic else [])
+    return _refuse_missing(path, key, what, [n for n in needs if not os.path.isfile(os.path.join(path, n))])
+
+
+def check_paths(cfg: Config, training: bool = True) -> Config:
+    """Every file and folder `cfg` names, checked -> cfg; else ValueError naming the key and the path.
+    Envs: the kwargs their class lists in `file_kwargs` (the dataset env's path and test_path). training=True
+    (train.py) also checks what only training reads: model.path ("default" is built on first use) and resume
+    ("auto" finds the run's latest checkpoint itself)."""
+    for i, spec in enumerate(cfg.envs):
+        for name in env_class(spec.name).file_kwargs:
+            if spec.kwargs.get(name) is not None:
+                check_file(spec.kwargs[name], f"envs.{i}.kwargs.{name}")
+    if training and cfg.model.path != "default":
+        check_model_folder(cfg.model.path, "model.path")
+    if training and cfg.resume and cfg.resume != "auto":
+        check_checkpoint_folder(cfg.resume, "resume", critic=cfg.algo.advantage == "gae")
+    return cfg

@@ -19,7 +19,7 @@ Contents, top to bottom:
   3. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
      free text).
   4. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
-     `@register_env`, `make_env`.
+     `@register_env`, `make_env` (and `env_class`: the class alone).
   5. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 
@@ -358,6 +358,8 @@ class Env:
     name: str = "base"                 # set by @register_env
     tool_names: tuple[str, ...] = ()   # the TOOLS this env offers, in prompt order
     tool_timeout: float = 2.0          # seconds per tool call (python_eval, python_exec; the watchdog of the others)
+    file_kwargs: tuple[str, ...] = ()  # constructor kwargs that name files it reads (checked at start-up, before
+                                       # anything is built: config.check_paths)
 
     def tools(self) -> list[dict]:
         return [TOOLS[n].schema() for n in self.tool_names]
@@ -622,6 +624,12 @@ ENTRY_POINTS: dict[str, str] = {"text_math": "env_math", "dataset": "env_math", 
 
 def make_env(name: str, **kwargs) -> Env:
     """Build a registered env; unknown names raise ValueError listing the available ones."""
+    return env_class(name)(**kwargs)
+
+
+def env_class(name: str) -> type[Env]:
+    """The class of a registered env, its file imported on first use; unknown names raise ValueError listing the
+    available ones."""
     if name not in ENVS and name in ENTRY_POINTS:
         try:
             importlib.import_module(ENTRY_POINTS[name])   # registers the env by its @register_env
@@ -629,7 +637,7 @@ def make_env(name: str, **kwargs) -> Env:
             raise ValueError(f"env {name!r} lives in {ENTRY_POINTS[name]}.py, which could not be imported: {e}") from e
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; available: {', '.join(sorted(set(ENVS) | set(ENTRY_POINTS)))}")
-    return ENVS[name](**kwargs)
+    return ENVS[name]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -446,6 +446,7 @@ def _pick_key(given: str | None, candidates: tuple[str, ...], record: dict, what
 @register_env("dataset")
 class DatasetEnv(Env):
     """Problems and reference answers from a file (see the module docstring)."""
+    file_kwargs = ("path", "test_path")
 
     def __init__(self, path: str, test_path: str | None = None, prompt_key: str | None = None,
                  answer_key: str | None = None, system_prompt: str | None = None,

@@ -131,7 +131,7 @@ def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
     from tokenizers import Tokenizer
 
-    from config import engine_options, load_config
+    from config import check_file, check_model_folder, check_paths, config_exit, engine_options, load_config
     from rollout import SamplingParams, make_engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,9 +142,16 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="episodes JSONL (default: <checkpoint>/eval_episodes.jsonl)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
     if (args.checkpoint is None) == (args.policy is None):
         p.error("give exactly one of --checkpoint and --policy")
+    try:                                          # bad input ends here: one line, exit status 2
+        if args.config is not None:
+            check_file(args.config, "--config")
+        cfg = check_paths(load_config(args.config, args.overrides), training=False)
+        if args.checkpoint is not None:           # the openai engine reads only the tokenizer from it
+            check_model_folder(args.checkpoint, "--checkpoint", weights=cfg.rollout.engine != "openai")
+    except (KeyError, TypeError, ValueError) as e:
+        config_exit(e)
     envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
     tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     if args.policy is not None:

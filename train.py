@@ -32,7 +32,6 @@ Shapes: B episodes in a batch, T tokens, G group size.
 import argparse
 import copy
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -44,7 +43,7 @@ from tqdm import tqdm
 import algos
 from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
 from cluster import launch_on_ray, start_ray_rollouts
-from config import Config, engine_options, load_config
+from config import Config, check_file, check_paths, config_exit, engine_options, load_config
 from env import make_env, mix_seed, sample_mixture
 from eval import dump_episodes, evaluate, heldout_tasks
 from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object,
@@ -361,14 +360,17 @@ def main(cfg: Config) -> dict:
 
 
 def cli(argv=None) -> Config:
+    """The command line -> the run's config, its paths checked; bad input ends here: one line, exit status 2."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="YAML file with what differs from config.py's defaults")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. learner.lr=3e-5")
     args = p.parse_args(argv)
     try:
-        return load_config(args.config, args.overrides)
+        if args.config is not None:
+            check_file(args.config, "--config")
+        return check_paths(load_config(args.config, args.overrides))
     except (KeyError, TypeError, ValueError) as e:
-        sys.exit(f"config error: {e.args[0] if e.args else e}")
+        config_exit(e)
 
 
 if __name__ == "__main__":
