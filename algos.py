@@ -10,6 +10,8 @@ Shapes (one letter per dimension):
     T  tokens per row (the padded response length)
     G  group size (samples per prompt)
     V  vocabulary size
+    K  turns per episode (the padded number of assistant turns), for turn-level credit assignment
+    N  rows of a flattened logit block (N = B * T, or any leading shape: those functions take (..., V))
 
 How to read it. `mask` is (B, T) with 1 on tokens the policy sampled and 0 on padding, prompt and
 tool-output tokens. Masked positions may hold garbage (even inf / nan), so they are removed with
@@ -32,13 +34,26 @@ Papers:
     truncated IS (TIS)      Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
                             Training" (blog); Espeholt et al. 2018 (IMPALA, V-trace), arXiv:1802.01561
     k1 / k2 / k3 KL         J. Schulman, "Approximating KL Divergence" (blog, 2020)
+    CISPO (MiniMax-M1)      MiniMax 2025, arXiv:2506.13585
+    GMPO                    Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673
+    REINFORCE++             Hu et al. 2025, arXiv:2501.03262
+    GKD / on-policy distil. Agarwal et al. 2023, arXiv:2306.13649; Lu et al. (Thinking Machines) 2025,
+                            "On-Policy Distillation" (blog)
+    IcePop, rollout masking Ling Team (Ring-1T) 2025, arXiv:2510.18855; Liu, Li et al. 2025, "When Speed Kills
+                            Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (blog)
+    GiGPO                   Feng et al. 2025, arXiv:2505.10978
+    nucleus (top-p)         Holtzman et al. 2019, arXiv:1904.09751
+
+The families added after the first release live in their own sections below the DAPO extras:
+REINFORCE++ / distillation / turn-level advantages, off-policy corrections, sampling truncation.
 """
 from dataclasses import dataclass
 
 import torch
 
 GROUP_ADVANTAGE_KINDS = ("grpo", "drgrpo", "rloo")
-POLICY_LOSS_KINDS = ("ppo", "dual_clip", "dapo", "gspo", "gspo_token", "sapo")
+POLICY_LOSS_KINDS = ("ppo", "dual_clip", "dapo", "gspo", "gspo_token", "sapo", "cispo", "gmpo")
+SEQUENCE_RATIO_KINDS = ("gspo", "gspo_token", "gmpo")   # one ratio per sequence: metrics average over sequences
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 
@@ -138,6 +153,10 @@ class PolicyLossConfig:
     gspo_clip_high: float = 4e-4   # GSPO sequence-ratio ceiling 1 + 4e-4
     sapo_tau_pos: float = 1.0      # SAPO gate temperature for tokens with A > 0
     sapo_tau_neg: float = 1.05     # SAPO gate temperature for tokens with A < 0 (sharper: negatives are riskier)
+    cispo_clip_low: float = 1.0    # CISPO IS-weight floor 1 - 1.0 = 0, i.e. none: the paper sets eps_low "large"
+    cispo_clip_high: float = 4.0   # CISPO IS-weight ceiling 1 + 4.0 (the paper tunes only this bound; SkyRL's 5.0)
+    gmpo_clip_low: float = 0.4     # GMPO token log-ratio floor -0.4 (ratio e^-0.4), binds where A < 0
+    gmpo_clip_high: float = 0.4    # GMPO token log-ratio ceiling +0.4 (ratio e^0.4), binds where A > 0
     log_ratio_clamp: float = 20.0  # log(pi/pi_old) is clamped to [-c, c] before exp, so the ratio never overflows
     agg_mode: str = "token-mean"   # how token losses become one scalar, see aggregate()
     agg_norm: float | None = None  # constant normalizer for agg_mode="seq-mean-token-sum-norm" (e.g. max tokens)
@@ -208,10 +227,35 @@ def _sapo(log_ratio, adv, valid, cfg):
     return ratio, -gate * adv, no_clip, no_clip
 
 
+def _cispo(log_ratio, adv, valid, cfg):
+    # The clipped ratio is a constant weight (sg), so a token outside the band keeps the gradient A * w of
+    # REINFORCE instead of losing it as under PPO: rare, low-probability "fork" tokens keep learning.
+    # -sg(w) A log(pi / pi_old) is the paper's -sg(w) A log pi minus a constant: the same gradient.
+    ratio = log_ratio.exp()
+    w = ratio.detach().clamp(1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high)   # (B, T)
+    # "clipped" here: the weight was capped (the token's gradient still flows, scaled by the cap)
+    clipped_low = ratio < 1 - cfg.cispo_clip_low
+    clipped_high = ratio > 1 + cfg.cispo_clip_high
+    return ratio, -w * adv * log_ratio, clipped_low, clipped_high
+
+
+def _gmpo(log_ratio, adv, valid, cfg):
+    # Token log-ratios are clipped pessimistically for the sign of A (only the ceiling binds where A >= 0,
+    # only the floor where A < 0, as PPO's min does), then averaged: the sequence ratio is their
+    # geometric mean, so one outlier token moves it by 1/|y| of its log instead of dominating a sum.
+    lo, hi = -cfg.gmpo_clip_low, cfg.gmpo_clip_high
+    clipped = torch.where(adv >= 0, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))   # (B, T)
+    seq_ratio = _seq_log_ratio(clipped, valid).exp().expand_as(log_ratio)              # (B, T)
+    clipped_low = (adv < 0) & (log_ratio < lo)
+    clipped_high = (adv > 0) & (log_ratio > hi)
+    ratio = _seq_log_ratio(log_ratio, valid).exp().expand_as(log_ratio)                # unclipped, for metrics
+    return ratio, -adv * seq_ratio, clipped_low, clipped_high
+
+
 # kind -> fn(log_ratio (B, T), adv (B, T), valid (B, T), cfg) -> (ratio, token_loss, clipped_low, clipped_high), all (B, T);
 # log_ratio and adv arrive already clamped and zeroed at masked positions.
 POLICY_LOSSES = {"ppo": _ppo, "dual_clip": _dual_clip, "dapo": _dapo,
-                 "gspo": _gspo, "gspo_token": _gspo_token, "sapo": _sapo}
+                 "gspo": _gspo, "gspo_token": _gspo_token, "sapo": _sapo, "cispo": _cispo, "gmpo": _gmpo}
 
 
 def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConfig, weights=None):
@@ -225,14 +269,21 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
         gspo_token  gspo with s_{i,t} = sg[s_i] r_t / sg[r_t] (equal value, token-wise gradient)
         sapo        -f(r) A,  f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg
                                                                                           arXiv:2511.20347
+        cispo       -sg(clip(r, 1 - cispo_clip_low, 1 + cispo_clip_high)) A log r        arXiv:2506.13585
+                    (MiniMax-M1: the weight is clipped and constant, every token keeps its gradient)
+        gmpo        -A exp(mean_t c_t),  c_t = min(log r_t, gmpo_clip_high) if A >= 0     arXiv:2507.20673
+                                         c_t = max(log r_t, -gmpo_clip_low) if A < 0
+                    (the geometric mean of token ratios clipped in log space; mean over the row's valid tokens)
     GRPO is "ppo" with group advantages; the GSPO paper's averaging is agg_mode="seq-mean-token-mean".
     `weights` (B, T), optional and constant: each token's loss is multiplied by it before aggregation (the
     truncated importance weights of truncated_is_weights, when the samples came from another policy).
     Returns (loss: 0-dim tensor with grad, metrics: dict of detached 0-dim tensors):
-        clip_frac_low / clip_frac_high  share of tokens whose gradient a clip zeroed (below / above the band)
+        clip_frac_low / clip_frac_high  share of tokens whose gradient a clip zeroed (below / above the band);
+                                        for cispo, whose weight the clip capped (their gradient still flows)
         approx_kl                       k3 estimate of KL(pi_old || pi): (r - 1) - log r
         ratio_mean / ratio_min / ratio_max
-    Metrics average over valid tokens, or for gspo / gspo_token over sequences with any valid token.
+    Metrics average over valid tokens, or for gspo / gspo_token / gmpo (one ratio per sequence, the unclipped
+    geometric mean for gmpo) over sequences with any valid token.
     """
     _check("policy loss", kind, POLICY_LOSS_KINDS)
     valid = mask.bool()
@@ -247,7 +298,7 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
 
     with torch.no_grad():
         def mean(x):
-            return _metric_mean(x.to(log_ratio.dtype), valid, per_seq=kind.startswith("gspo"))
+            return _metric_mean(x.to(log_ratio.dtype), valid, per_seq=kind in SEQUENCE_RATIO_KINDS)
         any_valid = valid.any()
         metrics = {
             "clip_frac_low": mean(clipped_low),

@@ -323,9 +323,13 @@ def test_policy_loss_gradient_matches_finite_differences(kind, agg_mode):
     adv = torch.randn(B, 1, generator=g, dtype=f64).expand(B, T)  # a sequence-level advantage, broadcast
     logp, old = torch.where(valid, logp, INF), torch.where(valid, old, NAN)
     adv = torch.where(valid, adv, NAN)
-    cfg = PolicyLossConfig(agg_mode=agg_mode, agg_norm=7.0)
+    # cispo's band narrowed to PPO's so that the data clips some weights
+    cfg = PolicyLossConfig(agg_mode=agg_mode, agg_norm=7.0, cispo_clip_low=0.2, cispo_clip_high=0.2)
 
     def f(x):
+        if kind == "cispo":  # the paper's loss -sg(w) A log pi: its weight is a constant, held at the point's value
+            w = (logp - old).exp().clamp(0.8, 1.2)
+            return aggregate(-w * adv * x, mask, agg_mode, 7.0)
         return policy_loss(kind, x, old, adv, mask, cfg)[0]
 
     x = logp.clone().requires_grad_()
@@ -488,3 +492,71 @@ def test_policy_loss_weights_scale_each_tokens_loss():
     grad = torch.autograd.grad(weighted * 15, logp)[0]
     close(grad[1, 2], 3 * per_token[1, 2])
     assert grad.abs().sum() == grad[1, 2].abs()
+
+
+# ----------------------------------------------------------------------------- later families: their imports, their inputs left alone
+
+# ----------------------------------------------------------------------------- CISPO, GMPO
+
+def test_cispo_hand_computed_keeps_every_tokens_gradient():
+    # Default band: floor 1 - 1 = 0 (none), ceiling 1 + 4 = 5. w = sg(clip(r)); loss -w A log r; grad -w A / N.
+    # r = 1.5, A=+1: w 1.5 (PPO would clip it: no gradient)   r = 0.5, A=+1: w 0.5
+    # r = 6.0, A=-1: w 5 (capped, the gradient still flows)    r = 0.8, A=-1: w 0.8
+    ratios, advs = [1.5, 0.5, 6.0, 0.8], [1.0, 1.0, -1.0, -1.0]
+    loss, m, grad = run_loss("cispo", [ratios + [1.0]], [advs + [0.0]], [[1, 1, 1, 1, 0]])
+    w = [1.5, 0.5, 5.0, 0.8]
+    close(loss, sum(-wi * a * math.log(r) for wi, a, r in zip(w, advs, ratios)) / 4, rtol=1e-12)
+    close(grad, [[-1.5 / 4, -0.5 / 4, 5.0 / 4, 0.8 / 4, 0.0]], rtol=1e-12)
+    close(m["clip_frac_high"], 0.25)
+    close(m["clip_frac_low"], 0.0)
+    _, _, grad_ppo = run_loss("ppo", [ratios + [1.0]], [advs + [0.0]], [[1, 1, 1, 1, 0]])
+    assert grad_ppo[0, 0] == 0 and grad[0, 0] != 0           # the token PPO drops, CISPO trains
+
+
+def test_cispo_on_policy_is_reinforce():
+    # r = 1 everywhere: w = 1, so grad = grad of -A log pi, for any band
+    g = torch.Generator().manual_seed(11)
+    adv = torch.randn(3, 4, generator=g, dtype=f64)
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-sum", cispo_clip_low=0.1, cispo_clip_high=0.1)
+    loss, m, grad = run_loss("cispo", torch.ones(3, 4), adv, torch.ones(3, 4), cfg)
+    close(loss, 0.0, atol=1e-15)
+    close(grad, -adv / 3, rtol=1e-12)
+
+
+def test_gmpo_hand_computed():
+    # gmpo band +-0.4 in log space, seq-mean-token-mean over B = 2 rows.
+    # row 0, A=+1, log r = [0.5, -0.1, 0.2]: the ceiling binds on token 0 -> c = [0.4, -0.1, 0.2],
+    #   s0 = exp(0.5 / 3), loss -s0; tokens 1, 2 get d/dlogp = -s0 / 3 (token 0: 0); / B
+    # row 1, A=-1, log r = [-0.6, 0.5]: the floor binds on token 0 -> c = [-0.4, 0.5],
+    #   s1 = exp(0.1 / 2), loss +s1; token 1 gets +s1 / 2 (token 0: 0); / B
+    lr = torch.tensor([[0.5, -0.1, 0.2], [-0.6, 0.5, 0.0]], dtype=f64)
+    adv = [[1.0] * 3, [-1.0] * 3]
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean")
+    loss, m, grad = run_loss("gmpo", lr.exp(), adv, [[1, 1, 1], [1, 1, 0]], cfg)
+    s0, s1 = math.exp(0.5 / 3), math.exp(0.1 / 2)
+    close(loss, (-s0 + s1) / 2, rtol=1e-12)
+    close(grad, [[0.0, -s0 / 6, -s0 / 6], [0.0, s1 / 4, 0.0]], rtol=1e-12)
+    # per-sequence metrics: row 0 clips 1/3 of its tokens high, row 1 half of its tokens low
+    close(m["clip_frac_high"], (1 / 3 + 0) / 2)
+    close(m["clip_frac_low"], (0 + 1 / 2) / 2)
+    close(m["ratio_mean"], (math.exp(0.6 / 3) + math.exp(-0.1 / 2)) / 2, rtol=1e-12)   # unclipped geometric means
+
+
+def test_gmpo_on_length_one_sequences_is_ppo():
+    # One token: -A exp(c) = -A min(r, e^hi) (A > 0) or -A max(r, e^-lo) (A < 0): PPO with 1 + eps_high = e^hi
+    # and 1 - eps_low = e^-lo.
+    g = torch.Generator().manual_seed(12)
+    B, T = 10, 3
+    mask = torch.zeros(B, T, dtype=torch.long)
+    mask[torch.arange(B), torch.arange(B) % T] = 1
+    ratios = (0.3 * torch.randn(B, T, generator=g, dtype=f64)).exp()
+    adv = torch.randn(B, T, generator=g, dtype=f64)
+    cfg = PolicyLossConfig(clip_low=1 - math.exp(-0.25), clip_high=math.exp(0.2) - 1, gmpo_clip_low=0.25,
+                           gmpo_clip_high=0.2, agg_mode="seq-mean-token-mean")
+    loss_ppo, m_ppo, grad_ppo = run_loss("ppo", ratios, adv, mask, cfg)
+    loss, m, grad = run_loss("gmpo", ratios, adv, mask, cfg)
+    close(loss, loss_ppo, rtol=1e-12)
+    close(grad, grad_ppo, rtol=1e-12, atol=1e-15)
+    for k in m_ppo:
+        close(m[k], m_ppo[k], rtol=1e-12)
+    assert 0 < m["clip_frac_low"] + m["clip_frac_high"] < 1
