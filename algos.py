@@ -446,3 +446,65 @@ def overlong_penalty(lengths, max_len: int, cache_len: int):
     if cache_len <= 0 or cache_len > max_len:
         raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
     return ((max_len - cache_len - lengths.float()) / cache_len).clamp(-1.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- REINFORCE++, distillation
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards, kl, mask, kl_coef: float = 0.0, gamma: float = 1.0,
+                            group_size: int | None = None, eps: float = 1e-8):
+    """REINFORCE++ advantages (Hu et al. 2025, arXiv:2501.03262): per-token KL in the reward, returns, batch whitening.
+
+        R'_i      = R_i                                  REINFORCE++            (group_size None)
+        R'_i      = R_i - mean_{g(i)} R                  REINFORCE++-baseline   (group_size G, rows group-major)
+        r_{i,t}   = R'_i [t = last valid token of row i] - kl_coef * KL_{i,t}
+        ret_{i,t} = sum_{valid t' >= t} gamma^{n(t, t')} r_{i,t'}   n(t, t') = valid tokens in (t, t']  (paper: gamma 1)
+        A_{i,t}   = (ret_{i,t} - mean ret) / std ret     mean and unbiased std over all valid tokens of the batch
+
+    With gamma = 1 this is the paper's A_t = R - beta sum_{t' >= t} KL_{t'}. `kl` (B, T) is the caller's per-token
+    estimate of KL(pi_old || pi_ref) (the paper's k1 = old_logp - ref_logp, i.e. kl_penalty(old_logp, ref_logp,
+    "k1")), or None for no KL. The global whitening replaces GRPO's per-group std: no group can be blown up by a
+    tiny std. Masked tokens (tool output) are skipped like in compute_gae: they neither discount nor earn.
+    rewards (B,), kl and mask (B, T) -> advantages (B, T), 0 at masked positions.
+    """
+    valid = mask.bool()
+    B, T = valid.shape
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    if r.shape != (B,):
+        raise ValueError(f"rewards must be (B,) = ({B},), got {tuple(r.shape)}")
+    if group_size is not None:
+        r = group_advantages(r, group_size, "drgrpo")                           # (B,) R - group mean
+    # --- algorithm ---
+    last = torch.where(valid, torch.arange(T, device=valid.device), -1).amax(dim=1)   # (B,) -1: empty row
+    token_r = torch.zeros(B, T, dtype=r.dtype, device=r.device)                 # (B, T)
+    token_r[last >= 0, last[last >= 0]] = r[last >= 0]                          # the outcome at the last token
+    if kl is not None:
+        token_r = token_r - kl_coef * torch.where(valid, kl, 0.0).to(r.dtype)
+    returns, _ = compute_gae(token_r, torch.zeros_like(token_r), valid, gamma, 1.0)   # V = 0, lam = 1: returns
+    adv = whiten(returns, valid, eps)                                           # (B, T)
+    # --- end algorithm ---
+    return adv
+
+
+@torch.no_grad()
+def distillation_advantages(student_logp, teacher_logp, mask, task_advantages=None, coef: float = 1.0):
+    """On-policy distillation: each sampled token's advantage is the teacher's log-prob minus the student's.
+
+        A_t = coef * (log pi_teacher(y_t) - log pi_student(y_t))  [+ A_task_t when task_advantages is given]
+
+    The student samples y ~ pi_student and the teacher scores the same tokens; log pi_teacher - log pi_student is
+    minus the one-sample (k1) estimate of the per-token reverse KL(pi_student || pi_teacher), so a policy-gradient
+    step on it minimises the reverse KL on the student's own distribution of states (GKD, Agarwal et al. 2023,
+    arXiv:2306.13649; Thinking Machines' "On-Policy Distillation", 2025, which uses it with discount 0, as here:
+    each token gets only its own term). Mixed with a task advantage (e.g. GRPO's, broadcast) the coefficient
+    weighs imitation against reward. `student_logp` are the log-probs of the policy that sampled (pi_old or the
+    engine's). All (B, T) -> (advantages (B, T), 0 off the mask, {"distill_reverse_kl": mean over valid tokens
+    of log pi_student - log pi_teacher, the k1 estimate of KL(student || teacher)}).
+    """
+    valid = mask.bool()
+    gap = torch.where(valid, teacher_logp - student_logp, 0.0)                 # (B, T) -k1 of the reverse KL
+    adv = coef * gap
+    if task_advantages is not None:
+        adv = adv + torch.where(valid, task_advantages, 0.0)
+    metrics = {"distill_reverse_kl": -_metric_mean(gap, valid, per_seq=False)}
+    return adv, metrics

@@ -496,6 +496,10 @@ def test_policy_loss_weights_scale_each_tokens_loss():
 
 # ----------------------------------------------------------------------------- later families: their imports, their inputs left alone
 
+from algos import (  # noqa: E402
+    distillation_advantages, reinforce_pp_advantages)
+
+
 # ----------------------------------------------------------------------------- CISPO, GMPO
 
 def test_cispo_hand_computed_keeps_every_tokens_gradient():
@@ -560,3 +564,61 @@ def test_gmpo_on_length_one_sequences_is_ppo():
     for k in m_ppo:
         close(m[k], m_ppo[k], rtol=1e-12)
     assert 0 < m["clip_frac_low"] + m["clip_frac_high"] < 1
+
+
+# ----------------------------------------------------------------------------- REINFORCE++, distillation
+
+def test_reinforce_pp_hand_computed():
+    # rewards [1, 0]; kl_coef 0.5; gamma 1. Token rewards: row 0 [-0.05, -0.1, 1 - 0.15], row 1 [0, -0.25]
+    # returns (sums to the end): row 0 [0.70, 0.75, 0.85], row 1 [-0.25, -0.25]
+    # mean 1.8 / 5 = 0.36; deviations .34 .39 .49 -.61 -.61; unbiased var 1.252 / 4 = 0.313
+    rewards = torch.tensor([1.0, 0.0], dtype=f64)
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.5, NAN]], dtype=f64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = reinforce_pp_advantages(rewards, kl, mask, kl_coef=0.5)
+    s = math.sqrt(0.313 + 1e-8)
+    close(adv, [[0.34 / s, 0.39 / s, 0.49 / s], [-0.61 / s, -0.61 / s, 0.0]], rtol=1e-10)
+
+
+def test_reinforce_pp_baseline_and_discount():
+    # -baseline: rewards [1, 0 | 0.5, 0.5], G = 2 -> [0.5, -0.5 | 0, 0], no KL, gamma 1: every token of a row
+    # carries its centred reward; 2 tokens each: values [.5 .5 -.5 -.5 0 0 0 0], mean 0, var 1 / 7
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=f64)
+    adv = reinforce_pp_advantages(rewards, None, torch.ones(4, 2), group_size=2)
+    a = 0.5 / math.sqrt(1 / 7 + 1e-8)
+    close(adv, [[a, a], [-a, -a], [0, 0], [0, 0]], rtol=1e-10)
+    # gamma 0.5 with a hole (a tool response) in row 0: the hole neither discounts nor earns
+    # row 0 [1 0 1] returns [0.5, -, 1]; row 1 [1 1 1] returns [0.25, 0.5, 1]: reward 1 each
+    mask = torch.tensor([[1, 0, 1], [1, 1, 1]])
+    adv = reinforce_pp_advantages(torch.ones(2, dtype=f64), None, mask, gamma=0.5)
+    x = torch.tensor([0.5, 1.0, 0.25, 0.5, 1.0], dtype=f64)
+    z = (x - x.mean()) / math.sqrt(x.var().item() + 1e-8)
+    close(adv, [[z[0], 0.0, z[1]], [z[2], z[3], z[4]]], rtol=1e-10)
+    with pytest.raises(ValueError):
+        reinforce_pp_advantages(torch.ones(2, 1), None, mask)
+
+
+def test_distillation_advantages_hand_computed():
+    student = torch.tensor([[-1.0, -2.0, NAN]], dtype=f64)
+    teacher = torch.tensor([[-1.5, -1.0, INF]], dtype=f64)
+    mask = torch.tensor([[1, 1, 0]])
+    adv, m = distillation_advantages(student, teacher, mask, coef=2.0)
+    close(adv, [[-1.0, 2.0, 0.0]], rtol=1e-12)                        # 2 * (teacher - student)
+    close(m["distill_reverse_kl"], (0.5 - 1.0) / 2, rtol=1e-12)       # mean of student - teacher
+    adv, _ = distillation_advantages(student, teacher, mask, torch.tensor([[0.3, 0.3, NAN]], dtype=f64), coef=2.0)
+    close(adv, [[-0.7, 2.3, 0.0]], rtol=1e-12)
+
+
+def test_distillation_policy_gradient_is_minus_the_reverse_kl_gradient():
+    # Exact expectation over a categorical student: sum_y p(y) A(y) grad log p(y) with A = log q - log p
+    # equals -grad KL(p || q) (the "-1" of grad KL vanishes since E[grad log p] = 0).
+    g = torch.Generator().manual_seed(13)
+    theta = torch.randn(9, generator=g, dtype=f64, requires_grad=True)
+    log_q = torch.log_softmax(torch.randn(9, generator=g, dtype=f64), -1)
+    log_p = torch.log_softmax(theta, -1)
+    adv, _ = distillation_advantages(log_p.detach()[None], log_q[None], torch.ones(1, 9))
+    surrogate = -(log_p.exp().detach() * adv[0] * log_p).sum()           # policy-gradient loss, exact expectation
+    (grad_pg,) = torch.autograd.grad(surrogate, theta, retain_graph=True)
+    (grad_kl,) = torch.autograd.grad((log_p.exp() * (log_p - log_q)).sum(), theta)
+    close(grad_pg, grad_kl, rtol=1e-10, atol=1e-14)
+    assert grad_kl.abs().max() > 1e-2
