@@ -508,3 +508,99 @@ def distillation_advantages(student_logp, teacher_logp, mask, task_advantages=No
         adv = adv + torch.where(valid, task_advantages, 0.0)
     metrics = {"distill_reverse_kl": -_metric_mean(gap, valid, per_seq=False)}
     return adv, metrics
+
+
+# ----------------------------------------------------------------------------- turn-level credit assignment
+
+TURN_BASELINES = ("position", "state")
+
+
+@torch.no_grad()
+def turn_advantages(turn_rewards, turn_mask, group_size: int, gamma: float = 1.0, baseline: str = "position",
+                    state_keys=None):
+    """Per-turn advantages for multi-turn episodes with a reward at every turn. All (B, K) -> (B, K), rows group-major.
+
+        R_{i,k} = sum_{k' >= k} gamma^{k'-k} r_{i,k'}           return-to-go over the episode's own turns
+        b_{i,k} = mean { R_{j,k'} : j != i in i's group, (j, k') matches (i, k) }      leave-one-out baseline
+        A_{i,k} = R_{i,k} - b_{i,k}
+
+    "matches" is `baseline`:
+        position  k' = k: the same turn index (MT-GRPO-style, Zeng et al. 2025, arXiv:2505.11821)
+        state     state_keys[j, k'] == state_keys[i, k]: the same environment state anywhere in another episode
+                  of the group (GiGPO's anchor states, Feng et al. 2025, arXiv:2505.10978); a turn whose state no
+                  other episode visited falls back to the position baseline
+    and a turn with nothing to match at all gets b = 0 (its plain return).
+
+    Why it is unbiased. The policy gradient sum_k grad log pi(a_{i,k} | s_{i,k}) (R_{i,k} - b_{i,k}) is unbiased
+    iff E[grad log pi(a_{i,k} | s_{i,k}) b_{i,k}] = 0, which holds when b_{i,k} does not depend on a_{i,k} given
+    s_{i,k}. Here b_{i,k} averages the returns of the OTHER episodes of the group, which are independent of episode
+    i: every own turn is excluded (a later own turn's return depends on a_{i,k}), and which turns match depends
+    only on the other episodes and on s_{i,k}. The returns are summed within each episode BEFORE the baseline, so
+    no baseline term is counted once per own remaining turn: per-turn normalisation first and summation after
+    (the natural construction) subtracts sum_{k' >= k} mean_j r_{j,k'} over the turns the episode itself went on
+    to take, a baseline that depends on its own stopping decisions (verl RFC #7244). Including the sample's own
+    return in the mean (GRPO's group mean) scales each turn's signal by m / (m + 1), m the number of other turns
+    matched, which differs between turns: biased too. No std division, for the same reason (the std contains
+    R_{i,k}); whiten the result over the whole batch if a scale is wanted.
+
+    Conditioned on the action, E[A_{i,k} | s, a] = Q(s, a) - E[b]: with the state baseline (and keys that
+    identify the state, visited once per episode) that is the true advantage Q(s, a) - V(s); the position
+    baseline subtracts the mean value of all states seen at turn k instead, still an unbiased gradient but a
+    noisier per-turn signal where states at one turn index differ. A state's value can depend on the turns left
+    (a max_turns budget): fold the turn index into the key when it does.
+
+    turn_rewards, turn_mask: (B, K), turn_mask 1 on the turns episode i took (a prefix of the row); state_keys
+    (B, K) integers, needed for baseline="state". Returns advantages (B, K), 0 on turns not taken; broadcast them
+    to tokens with broadcast_turns.
+    """
+    _check("turn baseline", baseline, TURN_BASELINES)
+    valid = turn_mask.bool()
+    B, K = valid.shape
+    G = group_size
+    if G < 1 or B % G != 0:
+        raise ValueError(f"batch of {B} episodes is not a whole number of groups of size {G}")
+    if baseline == "state" and (state_keys is None or state_keys.shape != (B, K)):
+        raise ValueError(f"baseline='state' needs state_keys of shape ({B}, {K})")
+    r = torch.where(valid, turn_rewards, 0.0)
+    r = r if r.is_floating_point() else r.float()
+    # --- algorithm ---
+    returns, _ = compute_gae(r, torch.zeros_like(r), valid, gamma, 1.0)        # (B, K) R_{i,k}, V = 0, lam = 1
+    position = torch.arange(K, device=valid.device).expand(B, K)                # (B, K)
+    b, n = _loo_baseline(returns, valid, position, G)                          # (B, K), (B, K)
+    if baseline == "state":
+        b_state, n_state = _loo_baseline(returns, valid, state_keys, G)
+        b = torch.where(n_state > 0, b_state, b)                                # no other episode in this
+        n = torch.where(n_state > 0, n_state, n)                                # state: the position baseline
+    adv = returns - torch.where(n > 0, b, 0.0)
+    # --- end algorithm ---
+    return torch.where(valid, adv, 0.0)
+
+
+def _loo_baseline(returns, valid, keys, G: int):
+    """Mean of R_{j,k'} over turns of the OTHER episodes of the group with keys[j,k'] == keys[i,k], and its count.
+
+    (B, K) -> (B, K), (B, K). Turn (i, k) is compared with every turn of its group: (G K) x (G K) per group.
+    """
+    B, K = returns.shape
+    R = returns.reshape(-1, G * K)                                              # (B/G, G K)
+    v = valid.reshape(-1, G * K)                                                # (B/G, G K)
+    key = keys.reshape(-1, G * K)                                               # (B/G, G K)
+    episode = torch.arange(G, device=R.device).repeat_interleave(K)             # (G K,) episode of each turn
+    other = episode[:, None] != episode[None, :]                                # (G K, G K) never the own episode
+    match = (key[:, :, None] == key[:, None, :]) & other & v[:, :, None] & v[:, None, :]   # (B/G, G K, G K)
+    n = match.sum(dim=2)                                                        # (B/G, G K)
+    total = (match.to(R.dtype) * torch.where(v, R, 0.0)[:, None, :]).sum(dim=2)
+    return (total / n.clamp(min=1)).reshape(B, K), n.reshape(B, K)
+
+
+def broadcast_turns(turn_values, turn_index):
+    """Give every token its turn's value: out[b, t] = turn_values[b, turn_index[b, t]], 0 where turn_index < 0.
+
+    turn_values (B, K); turn_index (B, T) integers, the assistant turn a token belongs to, -1 on prompt, tool
+    output and padding tokens. Returns (B, T).
+    """
+    K = turn_values.shape[1]
+    if (turn_index >= K).any():
+        raise ValueError(f"turn_index holds a turn >= K = {K}")
+    out = turn_values.gather(1, turn_index.clamp(min=0).long())                 # (B, T)
+    return torch.where(turn_index >= 0, out, 0.0)

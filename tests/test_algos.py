@@ -497,7 +497,7 @@ def test_policy_loss_weights_scale_each_tokens_loss():
 # ----------------------------------------------------------------------------- later families: their imports, their inputs left alone
 
 from algos import (  # noqa: E402
-    distillation_advantages, reinforce_pp_advantages)
+    broadcast_turns, distillation_advantages, reinforce_pp_advantages, turn_advantages)
 
 
 # ----------------------------------------------------------------------------- CISPO, GMPO
@@ -622,3 +622,165 @@ def test_distillation_policy_gradient_is_minus_the_reverse_kl_gradient():
     (grad_kl,) = torch.autograd.grad((log_p.exp() * (log_p - log_q)).sum(), theta)
     close(grad_pg, grad_kl, rtol=1e-10, atol=1e-14)
     assert grad_kl.abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- turn-level credit assignment
+
+def test_turn_advantages_hand_computed():
+    # G = 2, K = 3, gamma 0.5. Episode 0 rewards [1, 0, 2], episode 1 [0, 1] (2 turns).
+    # returns: ep 0 [1 + 0.5 (0 + 0.5 * 2) = 1.5, 1, 2], ep 1 [0 + 0.5 * 1 = 0.5, 1]
+    rewards = torch.tensor([[1.0, 0.0, 2.0], [0.0, 1.0, NAN]], dtype=f64)
+    turn_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # position (leave-one-out): ep 0 [1.5 - 0.5, 1 - 1, 2 - 0 (no other episode has a 3rd turn)]
+    #                           ep 1 [0.5 - 1.5, 1 - 1]
+    adv = turn_advantages(rewards, turn_mask, 2, gamma=0.5, baseline="position")
+    close(adv, [[1.0, 0.0, 2.0], [-1.0, 0.0, 0.0]], rtol=1e-12)
+    # state keys ep 0 [5, 7, 9], ep 1 [5, 9]: ep 0 turn 1 (key 7) has no match -> position baseline (1);
+    # ep 0 turn 2 (key 9) matches ep 1 turn 1 (R = 1); ep 1 turn 1 (key 9) matches ep 0 turn 2 (R = 2)
+    keys = torch.tensor([[5, 7, 9], [5, 9, -1]])
+    adv = turn_advantages(rewards, turn_mask, 2, gamma=0.5, baseline="state", state_keys=keys)
+    close(adv, [[1.0, 0.0, 1.0], [-1.0, -1.0, 0.0]], rtol=1e-12)
+    # ep 0 visits key 5 twice: its own turn 0 is never in its turn-1 baseline (that return depends on turn 1's action)
+    # ep 0 turn 1: b = R_{1,0} = 0.5 -> 0.5;  ep 1 turn 0: b = mean(1.5, 1) = 1.25 -> -0.75
+    keys = torch.tensor([[5, 5, 9], [5, 9, -1]])
+    adv = turn_advantages(rewards, turn_mask, 2, gamma=0.5, baseline="state", state_keys=keys)
+    close(adv, [[1.0, 0.5, 1.0], [-0.75, -1.0, 0.0]], rtol=1e-12)
+
+
+def test_broadcast_turns_and_errors():
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=f64)
+    turn_index = torch.tensor([[-1, 0, 0, -1, 1, 1], [-1, -1, 0, 1, -1, -1]])
+    close(broadcast_turns(values, turn_index), [[0, 1, 1, 0, 2, 2], [0, 0, 3, 4, 0, 0]], rtol=0)
+    with pytest.raises(ValueError):
+        broadcast_turns(values, torch.tensor([[2, 0], [0, 0]]))
+    r, m = torch.zeros(4, 2), torch.ones(4, 2)
+    with pytest.raises(ValueError):
+        turn_advantages(r, m, 3)                                  # 4 episodes are not groups of 3
+    with pytest.raises(ValueError):
+        turn_advantages(r, m, 2, baseline="state")                # no state keys
+    with pytest.raises(ValueError):
+        turn_advantages(r, m, 2, baseline="episode")
+
+
+# A two-turn bandit where the policy decides whether to take a second turn (verl RFC #7244's setting).
+# Turn 0, state 0: action 0 answers now (reward 1, the episode ends); action 1 calls a tool (reward 0.3, an
+# intermediate reward) and the tool's result is good (state 1) with probability 0.6, else bad (state 2).
+# Turn 1: in the good state action 0 earns 2 (action 1: 0); in the bad state action 1 earns 0.5 (action 0: 0).
+THETA = torch.tensor([[0.2, -0.1], [0.5, 0.0], [-0.3, 0.4]], dtype=f64)   # softmax policy logits per state
+P_GOOD, R_ANSWER, R_TOOL = 0.6, 1.0, 0.3
+R_TURN1 = torch.tensor([[2.0, 0.0], [0.0, 0.5]], dtype=f64)               # [good, bad] x action
+
+
+def bandit_values(theta, gamma):
+    """Exact Q and V by enumeration: (J, Q (3, 2), V (3,)), differentiable in theta."""
+    pi = torch.softmax(theta, -1)
+    v_good, v_bad = (pi[1] * R_TURN1[0]).sum(), (pi[2] * R_TURN1[1]).sum()
+    q0 = torch.stack([torch.tensor(R_ANSWER, dtype=f64), R_TOOL + gamma * (P_GOOD * v_good + (1 - P_GOOD) * v_bad)])
+    Q = torch.stack([q0, R_TURN1[0], R_TURN1[1]])
+    V = (pi * Q).sum(-1)
+    return V[0], Q, V
+
+
+def sample_bandit(n_groups, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = n_groups * G
+    pi = torch.softmax(THETA, -1)
+    a0 = (torch.rand(B, generator=g, dtype=f64) < pi[0, 1]).long()
+    s1 = torch.where(torch.rand(B, generator=g, dtype=f64) < P_GOOD, 1, 2)
+    a1 = (torch.rand(B, generator=g, dtype=f64) < pi[s1, 1]).long()
+    go_on = a0 == 1
+    rewards = torch.stack([torch.where(go_on, R_TOOL, R_ANSWER), torch.where(go_on, R_TURN1[s1 - 1, a1], 0.0)], 1)
+    turn_mask = torch.stack([torch.ones(B, dtype=torch.bool), go_on], 1)      # (B, 2)
+    states = torch.stack([torch.zeros(B, dtype=torch.long), s1], 1)           # (B, 2)
+    actions = torch.stack([a0, a1], 1)                                        # (B, 2)
+    return rewards, turn_mask, states, actions
+
+
+def group_gradients(adv, turn_mask, states, actions, G):
+    """Per group, the mean over its episodes of sum_k A_k grad_theta log pi(a_k | s_k): (n_groups, 6)."""
+    pi = torch.softmax(THETA, -1)
+    score = torch.nn.functional.one_hot(actions, 2).to(f64) - pi[states]      # (B, 2, 2) d log pi / d theta[s]
+    contrib = torch.where(turn_mask, adv, 0.0)[..., None] * score              # (B, 2, 2)
+    grad = torch.einsum("bks,bka->bsa", torch.nn.functional.one_hot(states, 3).to(f64), contrib)   # (B, 3, 2)
+    return grad.reshape(-1, G, 6).mean(1)
+
+
+def mean_and_se(per_group):
+    return per_group.mean(0), per_group.std(0) / math.sqrt(per_group.shape[0])
+
+
+def naive_per_turn_normalised(rewards, turn_mask, G):
+    """MT-GRPO-style: centre each turn's reward on its turn index's group mean, then sum over the turns the
+    episode went on to take (gamma 1). The baseline's number of terms follows the episode's own stopping turn."""
+    K = rewards.shape[1]
+    r, m = rewards.reshape(-1, G, K), turn_mask.reshape(-1, G, K).to(f64)
+    mean = (r * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+    centred = (r - mean) * m
+    return (centred.flip(-1).cumsum(-1).flip(-1) * m).reshape(-1, K)
+
+
+def naive_mean_with_self(rewards, turn_mask, G):
+    """Returns-to-go minus the group mean at the same turn index, the sample's own return included (GRPO's mean)."""
+    K = rewards.shape[1]
+    m = turn_mask.to(f64)
+    R = (rewards * m).flip(-1).cumsum(-1).flip(-1).reshape(-1, G, K)
+    mg = m.reshape(-1, G, K)
+    mean = (R * mg).sum(1, keepdim=True) / mg.sum(1, keepdim=True).clamp(min=1)
+    return ((R - mean) * mg).reshape(-1, K)
+
+
+@pytest.mark.parametrize("baseline", algos.TURN_BASELINES)
+def test_turn_advantages_give_an_unbiased_policy_gradient(baseline):
+    # Monte Carlo E[sum_k A_k grad log pi(a_k | s_k)] vs the exact grad J by enumeration, to 4 standard errors
+    # (groups are independent; episodes within a group are not, so the error is taken over groups).
+    G, n_groups = 4, 40_000
+    theta = THETA.clone().requires_grad_()
+    (exact,) = torch.autograd.grad(bandit_values(theta, 1.0)[0], theta)
+    rewards, turn_mask, states, actions = sample_bandit(n_groups, G, seed=16)
+    adv = turn_advantages(rewards, turn_mask, G, gamma=1.0, baseline=baseline, state_keys=states)
+    est, se = mean_and_se(group_gradients(adv, turn_mask, states, actions, G))
+    assert (se < 0.01).all()
+    assert ((est - exact.reshape(6)).abs() < 4 * se).all(), (est, exact.reshape(6), se)
+
+
+@pytest.mark.parametrize("naive", [naive_per_turn_normalised, naive_mean_with_self])
+def test_naive_turn_baselines_are_measurably_biased(naive):
+    G, n_groups = 4, 40_000
+    theta = THETA.clone().requires_grad_()
+    (exact,) = torch.autograd.grad(bandit_values(theta, 1.0)[0], theta)
+    rewards, turn_mask, states, actions = sample_bandit(n_groups, G, seed=16)
+    est, se = mean_and_se(group_gradients(naive(rewards, turn_mask, G), turn_mask, states, actions, G))
+    z = (est - exact.reshape(6)).abs() / se
+    assert z.max() > 10, z
+    # the same samples through turn_advantages stay within noise (the comparison is on equal footing)
+    adv = turn_advantages(rewards, turn_mask, G, gamma=1.0)
+    est, se = mean_and_se(group_gradients(adv, turn_mask, states, actions, G))
+    assert ((est - exact.reshape(6)).abs() < 4 * se).all()
+
+
+def test_turn_advantage_given_the_action_matches_the_closed_form():
+    # E[A | s, a] over turns that have a match: Q(s, a) - V(s) for the state baseline (the true advantage), and
+    # Q(s, a) - (mean value of the states seen at that turn index) for the position baseline. gamma = 0.9.
+    G, n_groups, gamma = 4, 40_000, 0.9
+    _, Q, V = bandit_values(THETA, gamma)
+    v_turn1 = P_GOOD * V[1] + (1 - P_GOOD) * V[2]
+    rewards, turn_mask, states, actions = sample_bandit(n_groups, G, seed=17)
+    # which turns have a match in another episode of the group (brute force over the group)
+    st, tm = states.reshape(-1, G, 2), turn_mask.reshape(-1, G, 2)
+    other = ~torch.eye(G, dtype=torch.bool)
+    same_state = (st[:, :, None, :] == st[:, None, :, :]) & tm[:, None, :, :] & other[None, :, :, None]
+    has_state = same_state.any(2).reshape(-1, 2)                              # (B, 2)
+    has_position = (tm[:, None, :, :] & other[None, :, :, None]).any(2).reshape(-1, 2)
+    for baseline, has_match, target in (("state", has_state, Q - V[:, None]),
+                                        ("position", has_position, Q - torch.stack([V[0], v_turn1, v_turn1])[:, None])):
+        adv = turn_advantages(rewards, turn_mask, G, gamma=gamma, baseline=baseline, state_keys=states)
+        for s in range(3):
+            for a in range(2):
+                cell = turn_mask & has_match & (states == s) & (actions == a)          # (B, 2)
+                S = torch.where(cell, adv, 0.0).reshape(-1, G * 2).sum(1)              # per group: sum, count
+                C = cell.reshape(-1, G * 2).sum(1).to(f64)
+                mean = S.sum() / C.sum()
+                se = ((S - mean * C).std() / C.mean()) / math.sqrt(n_groups)           # ratio estimator (delta)
+                assert C.sum() > 1000 and abs(mean - target[s, a]) < 4 * se, (baseline, s, a, mean, target[s, a], se)
+    # and the two targets differ where the states at turn 1 differ in value, so the test tells them apart
+    assert (V[1] - v_turn1).abs() > 0.2
