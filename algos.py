@@ -604,3 +604,93 @@ def broadcast_turns(turn_values, turn_index):
         raise ValueError(f"turn_index holds a turn >= K = {K}")
     out = turn_values.gather(1, turn_index.clamp(min=0).long())                 # (B, T)
     return torch.where(turn_index >= 0, out, 0.0)
+
+
+# ----------------------------------------------------------------------------- off-policy corrections
+
+OFF_POLICY_KINDS = ("none", "tis", "mis")
+OFF_POLICY_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class OffPolicyConfig:
+    """How the learner corrects for samples drawn from the engine's mu instead of pi_old (see off_policy_weights)."""
+    kind: str = "tis"           # none: weight 1 (metrics only) | tis: truncated IS | mis: masked IS
+    level: str = "token"        # token: one weight per token | sequence: one weight per sequence
+    tis_cap: float = 2.0        # tis: the weight is min(ratio, tis_cap)
+    mis_low: float = 0.5        # mis: ratios outside [mis_low, mis_high] are masked (weight 0)
+    mis_high: float = 2.0
+
+
+def off_policy_weights(old_logp, behaviour_logp, mask, cfg: OffPolicyConfig):
+    """Per-token weights that make samples from the engine's mu count as samples from pi_old. All (B, T).
+
+    With rho_t = pi_old(y_t) / mu(y_t) (old_logp is the learner's recomputation, behaviour_logp the engine's):
+        none, any level   w_t = 1                                    (no correction; the metrics still say how
+                                                                      far off-policy the batch is)
+        tis,  token       w_t = min(rho_t, cap)                      truncated IS (IMPALA's rho-bar, arXiv:1802.01561;
+                                                                      Yao et al. 2025); = truncated_is_weights
+        tis,  sequence    w_t = min(prod_t rho_t, cap)               the exact sequence ratio, truncated
+        mis,  token       w_t = rho_t [low <= rho_t <= high]         IcePop (arXiv:2510.18855): a token the two
+                                                                      engines disagree on leaves the gradient
+        mis,  sequence    w_t = g_i [low <= g_i <= high],            the whole sequence is dropped when its
+                          g_i = exp(mean_t log rho_t)                 geometric-mean ratio leaves the band
+                                                                      (ICEPOP-style two-sided masking, GSPO's
+                                                                      length-normalised ratio as the weight)
+    Truncation keeps every sample and bounds its weight (a small bias for a bounded variance); masking drops the
+    samples where the engine and the learner disagree most (they are likely numerical accidents, e.g. an MoE
+    routing flip), so they contribute nothing rather than a capped, still-wrong gradient. The product of a long
+    sequence's ratios leaves any band almost surely, so sequence masking uses the geometric mean (verl's
+    "geometric" rejection, Liu, Li et al. 2025). Multiply the result into policy_loss(..., weights=w).
+
+    Returns (weights (B, T), detached, 0 off the mask; metrics, 0-dim, detached):
+        offpolicy_weight_mean       mean w over valid tokens
+        offpolicy_clip_frac         share of valid tokens whose weight the tis cap truncated
+        offpolicy_token_masked_frac share of valid tokens whose weight mis set to 0
+        offpolicy_seq_masked_frac   share of sequences (with a valid token) with at least one masked token
+        mismatch_kl_k1              mean of log mu - log pi_old: k1 estimate of KL(mu || pi_old)
+        mismatch_kl_k3              mean of rho - 1 - log rho: k3 estimate of KL(mu || pi_old), >= 0
+    """
+    _check("off-policy kind", cfg.kind, OFF_POLICY_KINDS)
+    _check("off-policy level", cfg.level, OFF_POLICY_LEVELS)
+    if cfg.kind == "tis" and cfg.tis_cap <= 0:
+        raise ValueError(f"tis needs tis_cap > 0, got {cfg.tis_cap}")
+    if cfg.kind == "mis" and not 0 < cfg.mis_low <= 1 <= cfg.mis_high:
+        raise ValueError(f"mis needs 0 < mis_low <= 1 <= mis_high, got [{cfg.mis_low}, {cfg.mis_high}]")
+    valid = mask.bool()
+    log_rho = torch.where(valid, old_logp - behaviour_logp, 0.0).detach()      # (B, T) garbage removed
+    zeros = torch.zeros_like(valid)
+    clipped, masked = zeros, zeros                                             # (B, T) bool
+    # --- algorithm ---
+    if cfg.kind == "none":
+        log_w = torch.zeros_like(log_rho)
+    elif cfg.kind == "tis":
+        log_cap = _log(cfg.tis_cap)
+        log_r = log_rho if cfg.level == "token" else log_rho.sum(dim=1, keepdim=True).expand_as(log_rho)
+        log_w = log_r.clamp(max=log_cap)                                        # min(r, cap) in log space
+        clipped = log_r > log_cap
+    else:  # mis
+        log_r = log_rho if cfg.level == "token" else _seq_log_ratio(log_rho, valid).expand_as(log_rho)
+        masked = (log_r < _log(cfg.mis_low)) | (log_r > _log(cfg.mis_high))
+        log_w = log_r                                                           # w = the ratio, in band
+    w = torch.where(valid & ~masked, log_w.exp(), 0.0)                          # (B, T)
+    # --- end algorithm ---
+    with torch.no_grad():
+        clipped, masked = clipped & valid, masked & valid
+        has_token = valid.any(dim=1)                                            # (B,)
+        seq_masked = masked.any(dim=1) & has_token
+        log_rho_c = log_rho.clamp(max=20.0)                                     # rho < e^20: k3 stays finite
+        metrics = {
+            "offpolicy_weight_mean": _metric_mean(w, valid, per_seq=False),
+            "offpolicy_clip_frac": _metric_mean(clipped.to(w.dtype), valid, per_seq=False),
+            "offpolicy_token_masked_frac": _metric_mean(masked.to(w.dtype), valid, per_seq=False),
+            "offpolicy_seq_masked_frac": seq_masked.sum().to(w.dtype) / has_token.sum().clamp(min=1),
+            "mismatch_kl_k1": _metric_mean(-log_rho, valid, per_seq=False),
+            "mismatch_kl_k3": _metric_mean(torch.expm1(log_rho_c) - log_rho_c, valid, per_seq=False),
+        }
+    return w, metrics
+
+
+def _log(x: float) -> float:
+    """log of a positive Python number, as a Python float (a bound usable on any device)."""
+    return torch.tensor(x, dtype=torch.float64).log().item()

@@ -497,7 +497,8 @@ def test_policy_loss_weights_scale_each_tokens_loss():
 # ----------------------------------------------------------------------------- later families: their imports, their inputs left alone
 
 from algos import (  # noqa: E402
-    broadcast_turns, distillation_advantages, reinforce_pp_advantages, turn_advantages)
+    OffPolicyConfig, broadcast_turns, distillation_advantages, off_policy_weights, reinforce_pp_advantages,
+    turn_advantages)
 
 
 # ----------------------------------------------------------------------------- CISPO, GMPO
@@ -784,3 +785,77 @@ def test_turn_advantage_given_the_action_matches_the_closed_form():
                 assert C.sum() > 1000 and abs(mean - target[s, a]) < 4 * se, (baseline, s, a, mean, target[s, a], se)
     # and the two targets differ where the states at turn 1 differ in value, so the test tells them apart
     assert (V[1] - v_turn1).abs() > 0.2
+
+
+# ----------------------------------------------------------------------------- off-policy corrections
+
+def off_policy_case():
+    # rho = pi_old / mu: row 0 [1, 0.6, 9], row 1 [1.1, 1.2], row 2 empty; masked entries are garbage
+    rho = torch.tensor([[1.0, 0.6, 9.0], [1.1, 1.2, 1.0], [1.0, 1.0, 1.0]], dtype=f64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    mu = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, INF], [NAN, INF, -INF]], dtype=f64)
+    old = torch.where(mask.bool(), mu + rho.log(), NAN)
+    return old, mu, mask, rho
+
+
+@pytest.mark.parametrize("kind,level,cfg_kw,expected,clip,tok_masked,seq_masked", [
+    ("none", "token", {}, [[1, 1, 1], [1, 1, 0]], 0, 0, 0),
+    ("tis", "token", {"tis_cap": 2.0}, [[1, 0.6, 2], [1.1, 1.2, 0]], 1 / 5, 0, 0),
+    # sequence products 5.4 -> 2 (capped) and 1.32
+    ("tis", "sequence", {"tis_cap": 2.0}, [[2, 2, 2], [1.32, 1.32, 0]], 3 / 5, 0, 0),
+    # 9 leaves [0.5, 2]: dropped; the rest keep their ratio
+    ("mis", "token", {"mis_low": 0.5, "mis_high": 2.0}, [[1, 0.6, 0], [1.1, 1.2, 0]], 0, 1 / 5, 1 / 2),
+    # geometric means 5.4^(1/3) = 1.754 (outside [0.5, 1.5]: row dropped) and 1.32^(1/2) = 1.149 (kept, its weight)
+    ("mis", "sequence", {"mis_low": 0.5, "mis_high": 1.5}, [[0, 0, 0], [1.32 ** 0.5, 1.32 ** 0.5, 0]], 0, 3 / 5, 1 / 2),
+])
+def test_off_policy_weights_hand_computed(kind, level, cfg_kw, expected, clip, tok_masked, seq_masked):
+    old, mu, mask, rho = off_policy_case()
+    w, m = off_policy_weights(old, mu, mask, OffPolicyConfig(kind=kind, level=level, **cfg_kw))
+    close(w, expected + [[0, 0, 0]], rtol=1e-12)
+    close(m["offpolicy_weight_mean"], sum(map(sum, expected)) / 5, rtol=1e-12)
+    close(m["offpolicy_clip_frac"], clip)
+    close(m["offpolicy_token_masked_frac"], tok_masked)
+    close(m["offpolicy_seq_masked_frac"], seq_masked)
+    r = torch.tensor([1.0, 0.6, 9.0, 1.1, 1.2], dtype=f64)
+    close(m["mismatch_kl_k1"], (-r.log()).mean(), rtol=1e-12)
+    close(m["mismatch_kl_k3"], (r - 1 - r.log()).mean(), rtol=1e-12)
+    assert not w.requires_grad and all(v.dim() == 0 for v in m.values())
+
+
+def test_off_policy_token_tis_equals_truncated_is_weights():
+    g = torch.Generator().manual_seed(14)
+    old = torch.randn(4, 6, generator=g, dtype=f64)
+    mu = old + 0.5 * torch.randn(4, 6, generator=g, dtype=f64)
+    mask = (torch.rand(4, 6, generator=g) < 0.7).long()
+    w, m = off_policy_weights(old, mu, mask, OffPolicyConfig(kind="tis", level="token", tis_cap=1.5))
+    w_ref, m_ref = algos.truncated_is_weights(old, mu, mask, cap=1.5)
+    close(w, w_ref, rtol=1e-14)
+    close(m["offpolicy_clip_frac"], m_ref["tis_clip_frac"], rtol=1e-14)
+    close(m["mismatch_kl_k3"], m_ref["behaviour_kl"], rtol=1e-12)
+
+
+def test_mismatch_kl_estimates_are_unbiased():
+    # Tokens drawn from mu: E[k1] = E[k3] = KL(mu || pi_old) exactly; check to 5 standard errors.
+    g = torch.Generator().manual_seed(15)
+    log_mu = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 0.0, -1.0], dtype=f64), -1)
+    log_old = torch.log_softmax(torch.tensor([0.7, 0.5, -0.2, 0.1, -1.5], dtype=f64), -1)
+    kl = (log_mu.exp() * (log_mu - log_old)).sum()
+    x = torch.multinomial(log_mu.exp(), 100_000, replacement=True, generator=g)
+    _, m = off_policy_weights(log_old[x][None], log_mu[x][None], torch.ones(1, len(x)), OffPolicyConfig(kind="none"))
+    log_rho = log_old[x] - log_mu[x]
+    for key, per_sample in (("mismatch_kl_k1", -log_rho), ("mismatch_kl_k3", log_rho.exp() - 1 - log_rho)):
+        se = per_sample.std() / math.sqrt(len(x))
+        assert abs(m[key] - kl) < 5 * se, (key, m[key], kl, se)
+
+
+def test_off_policy_garbage_and_errors():
+    old, mu, mask, _ = off_policy_case()
+    for kind in algos.OFF_POLICY_KINDS:
+        for level in algos.OFF_POLICY_LEVELS:
+            w, m = off_policy_weights(old, mu, mask, OffPolicyConfig(kind=kind, level=level))
+            assert torch.isfinite(w).all() and (w[mask == 0] == 0).all()
+            assert all(torch.isfinite(v) for v in m.values())
+    for bad in (dict(kind="is"), dict(level="turn"), dict(kind="tis", tis_cap=0.0),
+                dict(kind="mis", mis_low=1.2, mis_high=2.0), dict(kind="mis", mis_low=0.0)):
+        with pytest.raises(ValueError):
+            off_policy_weights(old, mu, mask, OffPolicyConfig(**bad))
