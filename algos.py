@@ -694,3 +694,83 @@ def off_policy_weights(old_logp, behaviour_logp, mask, cfg: OffPolicyConfig):
 def _log(x: float) -> float:
     """log of a positive Python number, as a Python float (a bound usable on any device)."""
     return torch.tensor(x, dtype=torch.float64).log().item()
+
+
+# ----------------------------------------------------------------------------- sampling truncation (top-k / top-p)
+
+def truncation_mask(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The set of tokens a top-k / top-p sampler may draw from, as a boolean mask. logits (..., V) -> bool (..., V).
+
+    With z = logits / temperature and p = softmax(z), in the order vLLM and HF apply them:
+        top-k   v is kept iff fewer than k tokens have z_u > z_v                                  (0: off)
+        top-p   with p' = p renormalised over the top-k set, v is kept iff it is in that set and
+                sum_{u : z_u > z_v} p'_u < top_p                                                  (1: off)
+    i.e. nucleus sampling (Holtzman et al. 2019, arXiv:1904.09751) keeps the smallest top set whose mass reaches
+    top_p: a token is dropped once the tokens strictly more likely than it already hold top_p. The top token has
+    nothing above it, so it is always kept. Ties: both rules compare strictly greater logits, so tokens with
+    equal logits are kept or dropped together; the kept set is {v : z_v >= threshold}, whatever order a sort
+    puts ties in (deterministic, and the same on every engine). The engine samples from softmax(z) restricted to
+    this set, and the learner must score with the same set (truncated_logprobs): then the on-policy ratio is 1.
+    The engine can return the set compactly as its size, kept.sum(-1), and the learner rebuild it on its own
+    logits with kept_mask_from_size.
+    """
+    if temperature <= 0:
+        raise ValueError(f"truncation needs temperature > 0 (greedy decoding is an argmax), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature   # (..., V)
+    V = z.shape[-1]
+    sorted_z, order = z.sort(dim=-1, descending=True, stable=True)              # (..., V)
+    keep = torch.ones_like(sorted_z, dtype=torch.bool)                          # (..., V) in sorted order
+    # --- algorithm ---
+    if 0 < top_k < V:
+        keep = sorted_z >= sorted_z[..., top_k - 1:top_k]                       # ties with the k-th all kept
+    if top_p < 1:
+        p = torch.softmax(sorted_z.masked_fill(~keep, -torch.inf), dim=-1)      # (..., V) renormalised over top-k
+        cum = p.cumsum(dim=-1)
+        mass_above = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)   # exclusive prefix sum
+        n_keep = ((mass_above < top_p) & keep).sum(dim=-1, keepdim=True)       # >= 1: mass_above[0] = 0
+        threshold = sorted_z.gather(-1, n_keep - 1)                             # (..., 1) the last kept logit
+        keep = keep & (sorted_z >= threshold)                                   # its ties join it
+    # --- end algorithm ---
+    return torch.zeros_like(keep).scatter(-1, order, keep)                      # (..., V) back in vocab order
+
+
+def kept_mask_from_size(logits, kept_size, tokens=None):
+    """Rebuild a sampler's kept set from its size: the kept_size[n] tokens with the largest logits. bool (..., V).
+
+    logits (..., V) (at any positive temperature: the ranking is the same); kept_size (...) integers in [1, V], the
+    engine's truncation_mask(...).sum(-1). On the engine's own logits this returns exactly its set, ties included
+    (the set is closed under ties, so any order of the ties gives it). On the learner's logits, which differ from
+    the engine's by rounding, the set is the learner's own top kept_size. `tokens` (...), optional: the sampled
+    tokens are kept even if a rounding difference pushed one just outside, so its log-prob is finite (the engine
+    did draw it); on equal logits this changes nothing.
+    """
+    V = logits.shape[-1]
+    k = kept_size.long()
+    if ((k < 1) | (k > V)).any():
+        raise ValueError(f"kept_size must be in [1, V = {V}]")
+    order = logits.argsort(dim=-1, descending=True, stable=True)                # (..., V)
+    in_top = torch.arange(V, device=logits.device) < k[..., None]               # (..., V) rank < k
+    kept = torch.zeros_like(in_top).scatter(-1, order, in_top)                  # (..., V) vocab order
+    if tokens is not None:
+        kept = kept.scatter(-1, tokens[..., None].long(), True)
+    return kept
+
+
+def truncated_logprobs(logits, tokens, kept, temperature: float):
+    """log p(y) under the truncated, renormalised sampler: log softmax(logits / T restricted to kept) at y.
+
+        log p(y) = z_y - log sum_{v in kept} exp(z_v),   z = logits / T,   y in kept
+
+    logits (..., V) with grad, tokens (...), kept bool (..., V) (truncation_mask or kept_mask_from_size) ->
+    (...). Gradients flow through the kept logits only; a dropped logit does not enter the normaliser, so it
+    gets no gradient (that is the distribution the engine sampled from). A token outside `kept` gets -inf.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature   # (..., V)
+    logp = torch.log_softmax(z.masked_fill(~kept, -torch.inf), dim=-1)          # (..., V) -inf off the set
+    return logp.gather(-1, tokens[..., None].long()).squeeze(-1)               # (...)

@@ -497,8 +497,39 @@ def test_policy_loss_weights_scale_each_tokens_loss():
 # ----------------------------------------------------------------------------- later families: their imports, their inputs left alone
 
 from algos import (  # noqa: E402
-    OffPolicyConfig, broadcast_turns, distillation_advantages, off_policy_weights, reinforce_pp_advantages,
-    turn_advantages)
+    OffPolicyConfig, broadcast_turns, distillation_advantages, kept_mask_from_size, off_policy_weights,
+    reinforce_pp_advantages, truncated_logprobs, truncation_mask, turn_advantages)
+
+
+def test_new_functions_do_not_mutate_inputs():
+    g = torch.Generator().manual_seed(10)
+    B, T, K, V = 4, 5, 3, 7
+    a, b, c = (torch.randn(B, T, generator=g, dtype=f64) for _ in range(3))
+    a[1, 4] = NAN
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    rewards = torch.randn(B, generator=g, dtype=f64)
+    turn_r = torch.randn(B, K, generator=g, dtype=f64)
+    turn_m = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    keys = torch.randint(0, 3, (B, K), generator=g)
+    turn_index = torch.tensor([[-1, 0, 0, 1, 2]] * B)
+    logits = torch.randn(B, V, generator=g, dtype=f64)
+    tokens = torch.zeros(B, dtype=torch.long)
+    inputs = [a, b, c, mask, rewards, turn_r, turn_m, keys, turn_index, logits, tokens]
+    copies = [x.clone() for x in inputs]
+    reinforce_pp_advantages(rewards, b, mask, kl_coef=0.1, group_size=2)
+    distillation_advantages(a, b, mask, task_advantages=c)
+    for baseline in algos.TURN_BASELINES:
+        turn_advantages(turn_r, turn_m, 2, 0.9, baseline, keys)
+    broadcast_turns(turn_r, turn_index)
+    for kind in algos.OFF_POLICY_KINDS:
+        for level in algos.OFF_POLICY_LEVELS:
+            off_policy_weights(a, b, mask, OffPolicyConfig(kind=kind, level=level))
+    kept = truncation_mask(logits, 0.8, 3, 0.9)
+    kept_mask_from_size(logits, kept.sum(-1), tokens)
+    truncated_logprobs(logits, tokens, kept | torch.nn.functional.one_hot(tokens, V).bool(), 0.8)
+    for x, x0 in zip(inputs, copies):
+        torch.testing.assert_close(x, x0, rtol=0, atol=0, equal_nan=True)
 
 
 # ----------------------------------------------------------------------------- CISPO, GMPO
@@ -859,3 +890,122 @@ def test_off_policy_garbage_and_errors():
                 dict(kind="mis", mis_low=1.2, mis_high=2.0), dict(kind="mis", mis_low=0.0)):
         with pytest.raises(ValueError):
             off_policy_weights(old, mu, mask, OffPolicyConfig(**bad))
+
+
+# ----------------------------------------------------------------------------- sampling truncation
+
+def reference_kept(z, top_k, top_p):
+    """Brute force on Python floats, straight from the definitions: O(V^2) per row."""
+    V = len(z)
+    in_k = [top_k == 0 or sum(z[u] > z[v] for u in range(V)) < top_k for v in range(V)]
+    zmax = max(z)
+    e = [math.exp(z[v] - zmax) if in_k[v] else 0.0 for v in range(V)]
+    total = math.fsum(e)
+    p = [x / total for x in e]
+    return [in_k[v] and (top_p >= 1 or math.fsum(p[u] for u in range(V) if z[u] > z[v]) < top_p) for v in range(V)]
+
+
+SETTINGS = [(1.0, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.9), (1.3, 10, 0.5), (1.0, 3, 0.95), (2.0, 0, 0.3),
+            (1.0, 1, 1.0), (0.5, 0, 0.999), (1.0, 100, 0.8)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_truncation_mask_matches_brute_force(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(18)
+    smooth = 2 * torch.randn(32, 30, generator=g, dtype=f64)
+    tied = torch.round(2 * torch.randn(32, 30, generator=g, dtype=f64)) / 2   # many exact ties
+    for logits in (smooth, tied):
+        kept = truncation_mask(logits, temperature, top_k, top_p)
+        ref = [reference_kept((row / temperature).tolist(), top_k, top_p) for row in logits]
+        assert kept.tolist() == ref
+        assert kept.gather(-1, logits.argmax(-1, keepdim=True)).all()        # the top token is always kept
+    # permuting the vocabulary permutes the kept set: ties are decided by value, never by position
+    perm = torch.randperm(30, generator=g)
+    assert torch.equal(truncation_mask(tied[:, perm], temperature, top_k, top_p),
+                       truncation_mask(tied, temperature, top_k, top_p)[:, perm])
+
+
+def test_truncation_mask_hand_computed():
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=f64)
+    logits = p.log()
+    assert truncation_mask(logits, 1.0, top_p=0.85).tolist() == [[True, True, True, False]]   # 0.8 above < .85
+    assert truncation_mask(logits, 1.0, top_p=0.75).tolist() == [[True, True, False, False]]  # 0.8 above >= .75
+    # top-k 2 renormalises to [0.625, 0.375]: top_p 0.7 keeps both, 0.6 only the first
+    assert truncation_mask(logits, 1.0, top_k=2, top_p=0.7).tolist() == [[True, True, False, False]]
+    assert truncation_mask(logits, 1.0, top_k=2, top_p=0.6).tolist() == [[True, False, False, False]]
+    assert truncation_mask(logits, 1.0, top_p=1e-9).tolist() == [[True, False, False, False]]
+    # ties: two tokens of mass 0.348 each share the top; top_p 0.3 keeps both (nothing is strictly above
+    # either), top_k 1 keeps both, top_k 3 keeps the tied pair below too
+    tied = torch.tensor([[0.0, 1.0, 1.0, 0.0, -1.0]], dtype=f64)
+    assert truncation_mask(tied, 1.0, top_p=0.3).tolist() == [[False, True, True, False, False]]
+    assert truncation_mask(tied, 1.0, top_k=1).tolist() == [[False, True, True, False, False]]
+    assert truncation_mask(tied, 1.0, top_k=3).tolist() == [[True, True, True, True, False]]
+    for bad in (dict(temperature=0.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            truncation_mask(logits, **{"temperature": 1.0, **bad})
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_sampling_with_truncation_then_scoring_is_on_policy(temperature, top_k, top_p):
+    # The engine: truncate, renormalise, sample, report log p and the kept-set size. The learner: rebuild the set
+    # from the size on its own (here equal) logits and score: the same log-prob to 1e-12, ratio 1.
+    g = torch.Generator().manual_seed(19)
+    logits = 3 * torch.randn(256, 50, generator=g, dtype=f64)
+    logits[:64] = torch.round(logits[:64])                                   # ties too
+    kept = truncation_mask(logits, temperature, top_k, top_p)
+    z = logits / temperature
+    probs = torch.where(kept, (z - z.amax(-1, keepdim=True)).exp(), 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)                              # the engine's distribution
+    tokens = torch.multinomial(probs, 1, generator=g).squeeze(-1)
+    engine_logp = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    kept_size = kept.sum(-1)                                                 # the compact record
+    rebuilt = kept_mask_from_size(logits, kept_size, tokens)
+    assert torch.equal(rebuilt, kept)
+    learner_logp = truncated_logprobs(logits, tokens, rebuilt, temperature)
+    close(learner_logp, engine_logp, rtol=0, atol=1e-12)
+    assert (learner_logp > -torch.inf).all()
+    # the learner's distribution sums to one over the kept set
+    all_logp = truncated_logprobs(logits[:, None, :].expand(-1, 50, -1), torch.arange(50).expand(256, 50),
+                                  kept[:, None, :].expand(-1, 50, -1), temperature)
+    close(all_logp.exp().sum(-1), torch.ones(256), rtol=0, atol=1e-12)
+
+
+def test_kept_mask_from_size_on_the_learners_logits():
+    # The learner's logits differ by rounding: its own top-k by size, and the sampled token is always kept.
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.999, -1.0]], dtype=f64)
+    kept = truncation_mask(logits, 1.0, top_k=3)                             # {0, 1, 2}
+    assert kept.sum().item() == 3
+    learner = logits + torch.tensor([[0.0, 0.0, -0.002, 0.0, 0.0]], dtype=f64)   # token 2 now ranks below token 3
+    assert kept_mask_from_size(learner, kept.sum(-1)).tolist() == [[True, True, False, True, False]]
+    forced = kept_mask_from_size(learner, kept.sum(-1), tokens=torch.tensor([2]))
+    assert forced.tolist() == [[True, True, True, True, False]]
+    assert torch.isfinite(truncated_logprobs(learner, torch.tensor([2]), forced, 1.0)).all()
+    # the ranking does not depend on the temperature: rebuild from raw logits what was cut at temperature 0.6
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(16, 40, generator=g, dtype=f64)
+    kept = truncation_mask(x, 0.6, top_k=7, top_p=0.7)
+    assert torch.equal(kept_mask_from_size(x, kept.sum(-1)), kept)
+    with pytest.raises(ValueError):
+        kept_mask_from_size(x, torch.zeros(16))
+
+
+def test_truncated_logprobs_gradient():
+    # Analytic: d log p(y) / d logit_v = (1[v = y] - p_trunc(v)) / T on kept logits, exactly 0 on dropped ones;
+    # and torch.autograd.gradcheck (finite differences) with the kept set rebuilt at every evaluation.
+    g = torch.Generator().manual_seed(21)
+    T = 0.8
+    logits = 2 * torch.randn(6, 12, generator=g, dtype=f64)
+    kept = truncation_mask(logits, T, top_k=6, top_p=0.9)
+    tokens = torch.multinomial(kept.to(f64), 1, generator=g).squeeze(-1)
+    x = logits.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(truncated_logprobs(x, tokens, kept, T).sum(), x)
+    p = torch.where(kept, (logits / T).exp(), 0.0)
+    p = p / p.sum(-1, keepdim=True)
+    expected = (torch.nn.functional.one_hot(tokens, 12).to(f64) - p) / T
+    close(grad, expected, rtol=1e-12, atol=1e-15)
+    assert (grad[~kept] == 0).all()
+    kept_size = kept.sum(-1)
+
+    def f(z):
+        return truncated_logprobs(z, tokens, kept_mask_from_size(z.detach(), kept_size, tokens), T)
+    assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(),), eps=1e-6, atol=1e-8, rtol=1e-6)
