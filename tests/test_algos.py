@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import algos
-from algos import (PolicyLossConfig, aggregate, compute_gae, dynamic_sampling_mask,
-                   group_advantages, kl_penalty, overlong_penalty, policy_loss, value_loss, whiten)
+from algos import (OffPolicyConfig, PolicyLossConfig, aggregate, broadcast_turns, compute_gae, distillation_advantages,
+                   dynamic_sampling_mask, group_advantages, kept_mask_from_size, kl_penalty, off_policy_weights,
+                   overlong_penalty, policy_loss, reinforce_pp_advantages, truncated_logprobs, truncation_mask,
+                   turn_advantages, value_loss, whiten)
 
 NAN, INF = float("nan"), float("inf")
 f64 = torch.float64
@@ -495,11 +497,6 @@ def test_policy_loss_weights_scale_each_tokens_loss():
 
 
 # ----------------------------------------------------------------------------- later families: their imports, their inputs left alone
-
-from algos import (  # noqa: E402
-    OffPolicyConfig, broadcast_turns, distillation_advantages, kept_mask_from_size, off_policy_weights,
-    reinforce_pp_advantages, truncated_logprobs, truncation_mask, turn_advantages)
-
 
 def test_new_functions_do_not_mutate_inputs():
     g = torch.Generator().manual_seed(10)
