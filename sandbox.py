@@ -69,8 +69,10 @@ def _parse_source(code: str, max_chars: int, what: str):
         return ast.parse(code), None
     except SyntaxError as e:
         return None, f"SyntaxError: {e.msg} (line {e.lineno})"
-    except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
-        return None, f"cannot parse: {type(e).__name__}"
+    except ValueError as e:  # null bytes
+        return None, f"cannot parse: {e}"
+    except (RecursionError, MemoryError) as e:  # the parser's own depth limits, past thousands of levels
+        return None, f"cannot parse: the {what} is nested too deeply ({type(e).__name__})"
 
 
 def check_code(code: str) -> str | None:
@@ -256,9 +258,9 @@ SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool; star
 # 2. The python_exec sandbox: a whole program, in a fresh isolated process per call
 #
 # python_eval (above) is a calculator in one long-lived worker: fast, and limited to expressions over
-# math. python_exec runs a whole program (imports, loops, files) and treats it as hostile. Each call
-# gets a new interpreter that inherits nothing and leaves nothing behind. Layers, outermost first; the
-# tests (tests/test_sandbox.py) check each threat against the whole stack and the process layer alone:
+# math. python_exec runs a whole program (imports, classes, loops, files) and treats it as hostile. Each
+# call gets a new interpreter that inherits nothing and leaves nothing behind. Layers, outermost first;
+# the tests (tests/test_sandbox.py) check each threat against the whole stack and the process layer alone:
 #   1. The process. `python -I -S` (no PYTHON* variables, no site-packages) with an empty environment,
 #      in a fresh temporary directory deleted afterwards, in its own process group, which the parent
 #      kills whole at the wall-clock deadline. Before it reads the program it sets hard limits (CPU
@@ -266,33 +268,51 @@ SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool; star
 #      run as root, drops to nobody:nogroup: a limit on the number of processes does not bind root.
 #      It drops after the interpreter has started (and not in Popen's preexec_fn, which may deadlock
 #      in a threaded parent) but before a byte of the program is read: the same guarantee.
-#   2. The interpreter. Only ALLOWED_MODULES can be imported. They are loaded before the program is
-#      read, and the program gets a copy of their public names without module objects (so no
-#      `fractions.sys`) and without getattr-by-string helpers (operator.attrgetter). Builtins are a
-#      short list: no eval, exec, compile, getattr, type, input, breakpoint, __import__ of our own.
-#      Then an audit hook (PEP 578, sys.addaudithook) refuses every runtime event but one exec (the
-#      program's) and open() of a relative path inside the working directory: any import, os.*,
-#      socket.*, subprocess.*, ctypes, gi_frame / tb_frame / sys._getframe raise PermissionError.
+#   2. The interpreter. Only ALLOWED_MODULES can be imported. They are loaded before the drop, with
+#      PRELOADED, what the interpreter loads lazily by itself (unicodedata: the parser needs it for a
+#      name like `π`): once we are nobody, a Python installed under a private home (/root/.pyenv) cannot
+#      be read, and once the audit hook is on, nothing can be imported. The program gets a copy of each
+#      module's public names without module objects (so no `fractions.sys`) and without getattr-by-
+#      string helpers (operator.attrgetter, string.Formatter). Builtins are a short list: no exec,
+#      compile, getattr, type, input, breakpoint; __import__ and eval are our own, and eval runs a
+#      string under the program's own rules (the AST check, these builtins). Then an audit hook
+#      (PEP 578, sys.addaudithook) refuses every runtime event but one exec (the program's), eval's own
+#      compile and exec, id(), and open() of a relative path inside the working directory: any import,
+#      os.*, socket.*, subprocess.*, ctypes, gi_frame / tb_frame / sys._getframe raise PermissionError.
 #   3. The program text. An AST check refuses imports outside ALLOWED_MODULES, names starting with
-#      "__", attributes starting with "_" or naming frames and code (gi_frame, f_globals, ...), and
-#      class definitions, before a process is started (and once more inside it).
-# Errors, refusals and timeouts come back as short "Error: ..." text, never as exceptions.
+#      "__" and attributes starting with "_" or naming frames and code (gi_frame, f_globals, ...), except
+#      SAFE_DUNDERS (for super().__init__() and `if __name__ == "__main__":`), and nesting deeper than
+#      MAX_NESTING, before a process is started (and once more inside it).
+# Classes are allowed. A class statement needs __build_class__, which the program cannot name; a class
+# may define __eq__ or __repr__, but it can no more reach __class__, __subclasses__ or __globals__ than
+# any other code. One thing classes do make possible: an object equal to everything. A grader that
+# compares a program's results must first copy them into plain data (`plain_copier`).
+# Errors, refusals and timeouts come back as short "Error: ..." text, never as exceptions, and the child
+# always replies: a failure of the sandbox's own code on a strange program (too deeply nested to
+# compile, an exception whose __str__ raises) is reported as such, not as a dead child.
 # What it does NOT promise: it is not a security boundary against a determined attacker. There is no
 # seccomp filter, no network namespace, no chroot. An escape from layers 2-3 (a CPython bug, an
 # audit-hook gap in some C code) leaves only layer 1: nobody's rights, which still include reading
 # world-readable files and opening sockets. Put the trainer in a container or VM when that matters.
 
 ALLOWED_MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools", "operator",
-                   "collections", "heapq", "bisect", "random", "re", "json")
-_HIDDEN_MEMBERS = ("attrgetter", "methodcaller")  # operator's getattr-by-string: a way around the AST check
+                   "collections", "heapq", "bisect", "random", "re", "json", "typing", "string", "copy", "hashlib",
+                   "unicodedata")
+PRELOADED = ("unicodedata",)  # loaded lazily by the interpreter itself: the parser, for non-ASCII names
+_HIDDEN_MEMBERS = ("attrgetter", "methodcaller",  # operator's getattr-by-string: a way around the AST check
+                   "Formatter")                   # string.Formatter().get_field("0.__class__", ...): the same
 EXEC_BUILTINS = SAFE_BUILTINS + (
-    "isinstance", "reversed", "map", "filter", "chr", "ord", "hex", "bin", "oct", "format", "repr", "iter", "next",
-    "slice", "frozenset", "complex", "hash", "callable", "open",
-    "Exception", "ArithmeticError", "AssertionError", "AttributeError", "FileNotFoundError", "ImportError",
-    "IndexError", "KeyError", "LookupError", "MemoryError", "NameError", "NotImplementedError", "OSError",
-    "OverflowError", "PermissionError", "RecursionError", "RuntimeError", "StopIteration", "TypeError",
-    "ValueError", "ZeroDivisionError")
+    "isinstance", "issubclass", "reversed", "map", "filter", "chr", "ord", "hex", "bin", "oct", "format", "repr",
+    "iter", "next", "slice", "frozenset", "complex", "hash", "id", "callable", "open", "bytes", "bytearray", "ascii",
+    "object", "super", "property", "staticmethod", "classmethod", "NotImplemented", "Ellipsis",
+    "BaseException", "Exception", "ArithmeticError", "AssertionError", "AttributeError", "FileNotFoundError",
+    "ImportError", "IndexError", "KeyError", "LookupError", "MemoryError", "NameError", "NotImplementedError",
+    "OSError", "OverflowError", "PermissionError", "RecursionError", "RuntimeError", "StopIteration", "TypeError",
+    "UnicodeError", "ValueError", "ZeroDivisionError")
+SAFE_DUNDERS = ("__init__", "__name__")  # the dunder names a program may use: super().__init__(), __name__
 _FRAME_ATTR_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_")  # generator/coroutine/frame/traceback/code
+MAX_NESTING = 200  # levels of the syntax tree; CPython's own bound on brackets is 200 too, and between 700
+                   # and 1000 the child's compile() runs out of recursion (real code: HumanEval's deepest is 20)
 MAX_OPENS = 64  # open() calls per program
 NOBODY = 65534  # uid and gid of nobody / nogroup on Debian, Ubuntu, Alpine and RHEL
 
@@ -311,13 +331,19 @@ def check_program(code: str, max_code_chars: int = 20000) -> str | None:
     """Why python_exec refuses `code` (a syntax error or a policy violation), or None when it may run.
 
     Policy: imports only of ALLOWED_MODULES (no submodules, no relative imports, no private names); no
-    name starting with "__"; no attribute starting with "_" or naming a frame, generator or code
-    internal; no class definitions. Sent to the child too (EXEC_CHILD_SRC): only `ast` and constants.
+    name starting with "__" and no attribute starting with "_" or naming a frame, generator or code
+    internal (SAFE_DUNDERS excepted); at most MAX_NESTING levels of syntax tree. Sent to the child too
+    (EXEC_CHILD_SRC), which also runs it on every string given to eval(): only `ast` and constants.
     """
     tree, error = _parse_source(code, max_code_chars, "program")
     if error:
         return error
-    for node in ast.walk(tree):
+    stack = [(tree, 1)]  # an explicit stack, not recursion: the tree may be as deep as the parser allows
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return f"the program is nested too deeply (more than {MAX_NESTING} levels)"
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name not in ALLOWED_MODULES:
@@ -328,13 +354,46 @@ def check_program(code: str, max_code_chars: int = 20000) -> str | None:
             for alias in node.names:
                 if alias.name.startswith("_"):
                     return f"importing the private name {alias.name} is not allowed"
-        if isinstance(node, ast.Name) and node.id.startswith("__"):
+        if isinstance(node, ast.Name) and node.id.startswith("__") and node.id not in SAFE_DUNDERS:
             return f"the name {node.id} is not allowed"
-        if isinstance(node, ast.Attribute) and node.attr.startswith(("_",) + _FRAME_ATTR_PREFIXES):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith(("_",) + _FRAME_ATTR_PREFIXES)
+                and node.attr not in SAFE_DUNDERS):
             return f"attribute access .{node.attr} is not allowed"
-        if isinstance(node, ast.ClassDef):
-            return "class definitions are not allowed"
     return None
+
+
+def plain_copier(isinstance=isinstance, int=int, float=float, str=str, list=list, tuple=tuple, dict=dict,
+                 set=set, frozenset=frozenset, TypeError=TypeError):
+    """-> plain(x): `x` copied into exact builtin values (None, bool, int, float, str, and lists, tuples,
+    dicts, sets of them), or TypeError. For graders: with classes, a program can return an object whose
+    __eq__ is always True, or an int subclass that equals anything; plain(result) == expected cannot be
+    fooled. Meant to run INSIDE the graded program, defined before the code under test (PLAIN_COPIER_SRC):
+    the defaults hold the real builtins, and the closure holds plain, whatever that code rebinds later.
+    The copy may call the object's own methods (__iter__, __int__ ...), but what comes out is plain."""
+    def plain(x, depth=0):
+        if depth > 100:
+            raise TypeError("the result is nested too deeply to compare")
+        if x is None or x is True or x is False:
+            return x
+        if isinstance(x, str):
+            return "".join([x])  # join copies a str subclass's characters into a new exact str
+        if isinstance(x, int):
+            return int(x)  # an exact int: the value itself, or what an override of __int__ returned
+        if isinstance(x, float):
+            return float(x)
+        if isinstance(x, (list, tuple, set, frozenset)):
+            items = [plain(v, depth + 1) for v in x]
+            kind = list if isinstance(x, list) else tuple if isinstance(x, tuple) else set if isinstance(
+                x, set) else frozenset
+            return kind(items)
+        if isinstance(x, dict):
+            return {plain(k, depth + 1): plain(v, depth + 1) for k, v in x.items()}
+        raise TypeError("the result is not plain data (None, bool, int, float, str, or lists, tuples, dicts, "
+                        "sets of them)")
+    return plain
+
+
+PLAIN_COPIER_SRC = inspect.getsource(plain_copier)  # a grader puts this first in the program it runs
 
 
 def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, str | None]:
@@ -353,27 +412,55 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
         return "Error: " + refusal, "refused"
     tree = ast.parse(code)
     if tree.body and isinstance(tree.body[-1], ast.Expr):  # keep the last value: `x = 1\nx + 1` shows 2
-        last = tree.body[-1]
-        tree.body[-1] = ast.copy_location(ast.Assign([ast.Name("__result__", ast.Store())], last.value), last)
-        ast.fix_missing_locations(tree)
+        last = tree.body[-1]  # (copy_location, not fix_missing_locations, which recurses over the whole tree)
+        target = ast.copy_location(ast.Name("__result__", ast.Store()), last)
+        tree.body[-1] = ast.copy_location(ast.Assign([target], last.value), last)
     try:  # before the hook: compiling raises an audit event. `return 5` at top level parses but does not compile
         program = compile(tree, "<program>", "exec")
     except SyntaxError as e:
         return f"Error: SyntaxError: {e.msg} (line {e.lineno})", "error"
+    except (RecursionError, MemoryError) as e:  # MAX_NESTING is meant to stop this first
+        return f"Error: the program is nested too deeply to compile ({type(e).__name__})", "error"
 
     modules = {}  # name -> a new module holding only the public names of the real one (no modules in it)
     for name in ALLOWED_MODULES:
         modules[name] = types.ModuleType(name)
         modules[name].__dict__.update({k: v for k, v in vars(sys.modules[name]).items() if not k.startswith("_")
                                        and not isinstance(v, types.ModuleType) and k not in _HIDDEN_MEMBERS})
+    permits = {"program": 1, "eval": 0, "compile": 0}  # the runtime events the hook lets through, and how often
 
     def import_allowed(name, globals=None, locals=None, fromlist=(), level=0):
         if level or name not in modules:
             raise ImportError(f"import of {name!r} is not allowed")
         return modules[name]
 
+    def checked_eval(source, globals=None, locals=None):
+        """The program's eval(): a string, held to the program's own rules (check_program, these builtins).
+        globals default to the program's; the caller's local variables are not seen (pass them in a dict)."""
+        if type(source) is not str:
+            raise TypeError("eval() in the sandbox takes a string")
+        globals = namespace if globals is None else globals
+        if type(globals) is not dict:
+            raise TypeError("eval() globals must be a dict")
+        source = source.lstrip(" \t")  # as eval() does
+        permits["compile"] = 1  # no code of the program runs until it is 0 again: only ours, on a str
+        try:
+            refusal = check_program(source, max_code_chars)
+            expression = None if refusal else compile(source, "<eval>", "eval")
+        finally:
+            permits["compile"] = 0
+        if refusal is not None:
+            raise PermissionError(f"eval() refused: {refusal}")
+        globals["__builtins__"] = safe  # never the real builtins, which eval() would add to a bare dict
+        permits["eval"] = 1             # spent by eval()'s own audit event, before the expression runs
+        try:
+            return eval(expression, globals, locals)
+        finally:
+            permits["eval"] = 0
+
     safe = {n: getattr(builtins, n) for n in EXEC_BUILTINS}
-    namespace = {"__builtins__": {**safe, "__import__": import_allowed}, "__name__": "__main__"}
+    safe.update({"__import__": import_allowed, "__build_class__": builtins.__build_class__, "eval": checked_eval})
+    namespace = {"__builtins__": safe, "__name__": "__main__"}
 
     class Printed:
         """sys.stdout for the program: keeps the first max_chars characters, counts the rest."""
@@ -398,11 +485,17 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
         path = os.path.normpath(path)  # pure string work: symlinks cannot be made (os is unreachable)
         return not os.path.isabs(path) and path != ".." and not path.startswith("../")
 
-    seen = {"exec": 0, "open": 0}
+    seen = {"open": 0}
 
     def audit(event, args):
-        if event == "exec" and seen["exec"] == 0:  # our own exec(program) below, once
-            seen["exec"] += 1
+        if event == "exec":
+            for key in ("program", "eval"):  # our own exec(program) below, once; then one per checked_eval
+                if permits[key]:
+                    permits[key] -= 1
+                    return
+        if event == "compile" and permits["compile"]:
+            return
+        if event == "builtins.id":  # id() (copy.deepcopy's memo uses it) tells an address, nothing more
             return
         if event == "open":
             if inside_workdir(args[0]) and seen["open"] < MAX_OPENS:
@@ -410,6 +503,9 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
                 return
             raise PermissionError(f"open({str(args[0])[:60]!r}) is not allowed in the sandbox: only relative "
                                   f"paths inside the working directory, {MAX_OPENS} opens at most")
+        if event == "import" and args and isinstance(args[0], str):  # a module loaded lazily, e.g. a codec
+            raise PermissionError(f"import {args[0][:60]} is not allowed in the sandbox (only "
+                                  f"{', '.join(ALLOWED_MODULES)}, loaded in advance)")
         raise PermissionError(f"{event} is not allowed in the sandbox")
 
     printed = Printed()
@@ -422,11 +518,7 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
         if value is not None:
             printed.write(repr(value))
     except BaseException as e:  # MemoryError, RecursionError, SystemExit, PermissionError from the hook ...
-        try:
-            message = str(e)
-        except Exception:
-            message = ""
-        kind, error = "error", f"Error: {type(e).__name__}" + (f": {message}" if message else "")
+        kind, error = "error", "Error: " + _describe(e)
     text = "".join(printed.parts).rstrip("\n")
     if printed.total > max_chars:
         text += f"... [truncated, {printed.total} chars in all]"
@@ -434,12 +526,29 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
     return text or "(no output)", kind
 
 
+def _describe(e: BaseException) -> str:
+    """'Type: message' of an exception the program raised; its class may be the program's own, whose name
+    or __str__ may raise or return anything, so every step is guarded."""
+    try:
+        name = type(e).__name__
+        name = name if type(name) is str else "an exception"
+    except BaseException:
+        name = "an exception"
+    try:
+        message = str(e)
+        message = message if type(message) is str else ""
+    except BaseException:
+        message = ""
+    return name + (f": {message}" if message else "")
+
+
 def _exec_child_main(limits: dict, policy: bool = True) -> None:
     """Child side, the whole life of a python_exec process: limits, imports, drop root, run, reply, exit.
 
     `limits`: {"cpu_seconds", "memory_bytes", "file_bytes", "open_files", "max_chars", "max_code_chars"}.
     `policy` False skips layers 2-3 (the AST check, the namespace, the audit hook): only tests use it, to
-    show what the process layer holds by itself. Replies one JSON line {"text", "kind"} on stdout.
+    show what the process layer holds by itself. Replies one JSON line {"text", "kind"} on stdout, always:
+    a failure of this code itself is a reply too ("Error: the sandbox failed: ...").
     """
     import json
     import os
@@ -458,7 +567,7 @@ def _exec_child_main(limits: dict, policy: bool = True) -> None:
     cap(resource.RLIMIT_NPROC, 0)  # no fork, no threads (binds only a non-root user: see below)
     cap(resource.RLIMIT_CORE, 0)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write raises OSError instead of killing us
-    for name in ALLOWED_MODULES:  # import now: after the drop below, our Python install may be unreadable
+    for name in ALLOWED_MODULES + PRELOADED:  # import now: after the drop below, our Python may be unreadable
         __import__(name)
     with open("program.py", "rb") as f:  # written by the parent; read as data, not run yet
         code = f.read().decode("utf-8", "surrogatepass")
@@ -469,18 +578,21 @@ def _exec_child_main(limits: dict, policy: bool = True) -> None:
         os.setuid(NOBODY)  # as root this sets the real, effective and saved uid: there is no way back
         if 0 in (os.getuid(), os.geteuid(), os.getgid(), os.getegid()):
             os._exit(3)
-    if policy:
-        text, kind = _exec_program(code, limits["max_chars"], limits["max_code_chars"])
-    else:  # tests only: the process layer, bare
-        import contextlib
-        import io
-        out, kind, error = io.StringIO(), None, ""
-        with contextlib.redirect_stdout(out):
-            try:
-                exec(code, {"__name__": "__main__"})
-            except BaseException as e:
-                kind, error = "error", f"Error: {type(e).__name__}: {e}"
-        text = (out.getvalue() + error)[:limits["max_chars"]].rstrip("\n") or "(no output)"
+    try:
+        if policy:
+            text, kind = _exec_program(code, limits["max_chars"], limits["max_code_chars"])
+        else:  # tests only: the process layer, bare
+            import contextlib
+            import io
+            out, kind, error = io.StringIO(), None, ""
+            with contextlib.redirect_stdout(out):
+                try:
+                    exec(code, {"__name__": "__main__"})
+                except BaseException as e:
+                    kind, error = "error", f"Error: {type(e).__name__}: {e}"
+            text = (out.getvalue() + error)[:limits["max_chars"]].rstrip("\n") or "(no output)"
+    except BaseException as e:  # a bug of ours, or a limit hit inside our own code: still an answer
+        text, kind = f"Error: the sandbox failed: {_describe(e)}"[:limits["max_chars"]], "error"
     os.write(1, (json.dumps({"text": text, "kind": kind}) + "\n").encode())
     os._exit(0)  # no interpreter shutdown: no finalizer of the program's objects runs after the reply
 
@@ -489,14 +601,18 @@ def _exec_child_main(limits: dict, policy: bool = True) -> None:
 EXEC_CHILD_SRC = "\n".join([
     "import ast",
     f"ALLOWED_MODULES = {ALLOWED_MODULES!r}",
+    f"PRELOADED = {PRELOADED!r}",
     f"_HIDDEN_MEMBERS = {_HIDDEN_MEMBERS!r}",
     f"EXEC_BUILTINS = {EXEC_BUILTINS!r}",
+    f"SAFE_DUNDERS = {SAFE_DUNDERS!r}",
     f"_FRAME_ATTR_PREFIXES = {_FRAME_ATTR_PREFIXES!r}",
+    f"MAX_NESTING = {MAX_NESTING!r}",
     f"MAX_OPENS = {MAX_OPENS!r}",
     f"NOBODY = {NOBODY!r}",
     inspect.getsource(_parse_source),
     inspect.getsource(check_program),
     inspect.getsource(_exec_program),
+    inspect.getsource(_describe),
     inspect.getsource(_exec_child_main),
 ])
 

@@ -256,7 +256,10 @@ def test_long_programs_are_refused():
 @pytest.mark.parametrize("code, reason", [
     ("().__class__.__base__.__subclasses__()", "__subclasses__"), ("__import__('os')", "__import__"),
     ("__builtins__", "__builtins__"), ("import os.path", "os.path"), ("import collections.abc", "collections.abc"),
-    ("from random import _os", "_os"), ("from . import x", "import from"), ("class A:\n    pass", "class"),
+    ("from random import _os", "_os"), ("from . import x", "import from"),
+    ("class A:\n    pass\nA.__subclasses__()", "__subclasses__"),  # classes run, their machinery stays out of reach
+    ("class A:\n    def f(self):\n        return self.__class__", "__class__"), ("__name__.__class__", "__class__"),
+    ("x = 1\n" + "-" * 300 + "x", "nested too deeply"),
     ("g = (i for i in [1])\ng.gi_frame", "gi_frame"), ("g = (i for i in [1])\ng.gi_frame.f_back", "f_back"),
     ("def f(): pass\nf.func_globals", None),
     ("import math\nmath._x", "_x"), ("1 +", "SyntaxError"),
@@ -276,7 +279,13 @@ def test_escape_attempts_are_refused(code, reason):
     ("import collections\ncollections.namedtuple('P', 'x y')", "compile is not allowed"),  # it evals source
     ("import fractions\nfractions.sys", "no attribute 'sys'"),         # modules are copies without submodules
     ("import operator\noperator.attrgetter('real')", "no attribute 'attrgetter'"),
-    ("exec('1')", "name 'exec' is not defined"), ("eval('1')", "name 'eval' is not defined"),
+    ("exec('1')", "name 'exec' is not defined"), ("compile('1', '', 'eval')", "name 'compile' is not defined"),
+    # eval exists, but holds its string to the program's own rules (AST check, builtins, audit hook)
+    ("eval('__import__(\"os\")')", "eval() refused: the name __import__ is not allowed"),
+    ("eval('()._' + '_class__')", "eval() refused: attribute access .__class__ is not allowed"),
+    ("eval('getattr', {})", "name 'getattr' is not defined"),  # a bare dict does not get the real builtins
+    ("eval('open(\"/etc/hostname\")')", "not allowed in the sandbox"),
+    ("import string\nstring.Formatter().get_field('0.real', [1], {})", "no attribute 'Formatter'"),
     ("getattr(1, 'real')", "name 'getattr' is not defined"), ("type(1)", "name 'type' is not defined"),
 ])
 def test_what_the_ast_check_lets_through_fails_at_run_time(code, needle):
@@ -351,6 +360,137 @@ def test_concurrent_calls_are_independent():
     for t in threads:
         t.join()
     assert results == {k: [f"{k} 0", f"{k} 1"] for k in range(3)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real programs: what solutions to coding problems (HumanEval and the like) use
+
+@pytest.mark.parametrize("code, expected", [
+    # non-ASCII names: the parser loads unicodedata lazily, which the child could not do as nobody
+    ("π = 3.14\nπ * 2", "6.28"), ("été, naïve = 'summer', 1\nété", "'summer'"),
+    ("import unicodedata\nunicodedata.normalize('NFD', 'é') == 'e\\u0301'", "True"),
+    ("from typing import List, Optional, Tuple\ndef f(xs: List[int]) -> Optional[Tuple[int, ...]]:\n"
+     "    return tuple(xs) or None\nf([1, 2]), f([])", "((1, 2), None)"),
+    ("import hashlib\nhashlib.md5('Hello world'.encode('ascii')).hexdigest()", "'3e25960a79dbc69b674cd4ec67a72c62'"),
+    ("import string\nstring.ascii_lowercase[:5] + string.digits[-1]", "'abcde9'"),
+    ("import copy\nx = [[1], {'a': [2]}]\ny = copy.deepcopy(x)\ny[0].append(3)\nx, y",
+     "([[1], {'a': [2]}], [[1, 3], {'a': [2]}])"),
+    ("import heapq, bisect\nh = [5, 1, 4]\nheapq.heapify(h)\nheapq.heappop(h), bisect.bisect_left([1, 3, 5], 4)", "(1, 2)"),
+    ("import random\nrng = random.Random(42)\n[rng.randint(1, 9) for _ in range(3)]", "[2, 1, 5]"),
+    ("import collections\ncollections.deque([1, 2, 3], maxlen=2), collections.defaultdict(int)['k']",
+     "(deque([2, 3], maxlen=2), 0)"),
+    ("import re\nre.sub(r'(\\w+)@', r'<\\1>', 'me@x you@y')", "'<me>x <you>y'"),
+    # classes: attributes, class variables, inheritance and super().__init__(), dunder methods
+    ("class Stack:\n    count = 0\n    def __init__(self):\n        self.items = []\n        Stack.count += 1\n"
+     "    def push(self, x):\n        self.items.append(x)\n        return self\n    def __len__(self):\n"
+     "        return len(self.items)\n"
+     "class Named(Stack):\n    def __init__(self, name):\n        super().__init__()\n        self.name = name\n"
+     "    def __repr__(self):\n        return f'{self.name}:{self.items}'\n"
+     "s = Named('a').push(1).push(2)\ns, len(s), Stack.count, isinstance(s, Stack)", "(a:[1, 2], 2, 1, True)"),
+    ("class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n    def __eq__(self, other):\n"
+     "        return (self.x, self.y) == (other.x, other.y)\n    def __hash__(self):\n        return hash((self.x, self.y))\n"
+     "    @property\n    def norm1(self):\n        return abs(self.x) + abs(self.y)\n"
+     "    @staticmethod\n    def origin():\n        return Point(0, 0)\n"
+     "len({Point(1, 2), Point(1, 2), Point.origin()}), Point(-3, 4).norm1", "(2, 7)"),
+    ("class Empty(Exception):\n    pass\ntry:\n    raise Empty('none left')\nexcept Empty as e:\n    print('caught', e)",
+     "caught none left"),
+    ("def main():\n    print('ran')\nif __name__ == '__main__':\n    main()", "ran"),
+    # eval of an expression built at run time (HumanEval/160 does this), under the program's rules
+    ("ops, nums = ['**', '*', '+'], [2, 3, 4, 5]\ne = str(nums[0])\nfor o, n in zip(ops, nums[1:]):\n    e += o + str(n)\n"
+     "eval(e)", "37"),
+    ("def f(x):\n    return eval('x * k', {'k': 3}, {'x': x})\nf(14)", "42"),
+    ("import copy\nid(1) == id(1), copy.copy([1]) == [1]", "(True, True)"),
+])
+def test_real_programs_run(code, expected):
+    assert execute_python(code) == (expected, None)
+
+
+@pytest.mark.parametrize("code", [
+    "(" * 1000 + "1" + ")" * 1000,                       # the tokenizer's own bracket limit (200)
+    "x = " + "[" * 1000 + "]" * 1000,
+    "-" * 1000 + "1", "x = " + "not " * 1000 + "1",      # past MAX_NESTING: refused before any process
+    "1" + " + 1" * 1000, "x = [0]\nx" + "[0]" * 1000, "import math\nmath" + ".pi" * 1000,
+    "x = " + "lambda: " * 1000 + "1", "1" + " + 1" * 4900,  # deep enough to exhaust the parser itself
+])
+def test_deep_nesting_is_a_clear_error(code):
+    text, kind = execute_python(code)
+    assert kind == "refused" and text.startswith("Error: ") and "without a result" not in text, text
+    assert "nested" in text or "too deeply" in text, text
+
+
+def test_nesting_up_to_the_limit_runs():
+    code = "x = 1\n" + "-" * (sandbox.MAX_NESTING - 10) + "x"  # about MAX_NESTING levels of the tree
+    assert execute_python(code) == ("1", None)
+    deep = "x = 1\n" + "-" * 300 + "x"
+    text, kind = execute_python(f"eval({deep!r}.split(chr(10))[1], {{'x': 1}})")  # too deep inside eval too
+    assert kind == "error" and "eval() refused: the program is nested too deeply" in text
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("class E(Exception):\n    def __str__(self):\n        raise ValueError('no')\nraise E()", "Error: E"),
+    ("class E(Exception):\n    def __str__(self):\n        return 5\nraise E()", "Error: E"),
+    ("class A:\n    def __repr__(self):\n        raise ValueError('bad repr')\nA()", "Error: ValueError: bad repr"),
+    ("class A:\n    def __repr__(self):\n        return 5\nA()", "Error: TypeError: __repr__ returned non-string"),
+    ("raise BaseException('base')", "Error: BaseException: base"),
+    ("class Stop(BaseException):\n    pass\nraise Stop('now')", "Error: Stop: now"),
+    ("x = []\nfor _ in range(100000):\n    x = [x]\nx", "Error: RecursionError: maximum recursion depth exceeded"),
+    ("def f():\n    yield 1\nf().throw(ValueError('in gen'))", "Error: ValueError: in gen"),
+    ("'abc'.encode('cp1252')", "Error: PermissionError: import encodings.cp1252 is not allowed in the sandbox"),
+])
+def test_every_failure_is_text(code, expected):
+    text, kind = execute_python(code)
+    assert kind == "error" and text.startswith(expected), text
+
+
+def test_the_child_always_replies():
+    # A failure of the child's own code (here: a limits dict without max_code_chars) is a reply, not a
+    # dead process: the parent would otherwise only see "exited ... without a result".
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "program.py"), "w") as f:
+            f.write("1 + 1")
+        if AS_ROOT:
+            os.chown(d, sandbox.NOBODY, sandbox.NOBODY)
+        limits = {"cpu_seconds": 5, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
+                  "max_chars": 100}
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", sandbox.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+                             cwd=d, env={}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    assert json.loads(out.stdout) == {"text": "Error: the sandbox failed: KeyError: 'max_code_chars'", "kind": "error"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# plain_copier: what graders compare, now that a program can define __eq__
+
+ALWAYS_EQUAL = "class Any:\n    def __eq__(self, other):\n        return True\n"
+
+
+def test_plain_copier_in_process():
+    plain = sandbox.plain_copier()
+    namespace = {}
+    exec(ALWAYS_EQUAL + "class I(int):\n    def __eq__(self, o):\n        return True\n"
+         "class S(str):\n    def __eq__(self, o):\n        return True\n", namespace)
+    Any, I, S = namespace["Any"], namespace["I"], namespace["S"]
+    assert Any() == 5 and I(1) == 2 and S("a") == "b"  # the tricks work on the raw values ...
+    assert plain(I(1)) != 2 and plain(S("a")) != "b"   # ... not on their plain copies
+    assert type(plain(I(1))) is int and type(plain(S("a"))) is str and plain([I(1), (S("a"),)]) == [1, ("a",)]
+    value = {"k": [1, 2.5, None, True, {3}, frozenset({4})], 5: ("x",)}
+    assert plain(value) == value and type(plain(value)["k"][1]) is float
+    for bad in (Any(), [Any()], {"k": Any()}, 1j, b"x", map(abs, [1])):
+        with pytest.raises(TypeError, match="not plain data"):
+            plain(bad)
+    loop = []
+    loop.append(loop)
+    with pytest.raises(TypeError, match="nested too deeply"):
+        plain(loop)
+
+
+def test_plain_copier_in_the_sandbox():
+    # defined first, as a grader does; the program then rebinds the builtins it uses
+    program = (sandbox.PLAIN_COPIER_SRC + "plain = plain_copier()\n" + ALWAYS_EQUAL +
+               "int = str = isinstance = lambda *a: True\n"
+               "try:\n    plain(Any())\nexcept TypeError as e:\n    print('refused:', e)\nprint(plain([7, 'x']) == [7, 'x'])")
+    text, kind = execute_python(program)
+    assert kind is None and text.startswith("refused: the result is not plain data") and text.endswith("True")
 
 
 # ---------------------------------------------------------------------------------------------------
