@@ -26,7 +26,9 @@ Reward. 1.0 if every unit test passes, else 0.0. The final step's info carries "
 k/n, syntax_error, timeout, score_seconds) and "test_error" (the first failure; "" when all pass).
 Grading builds ONE program: a harness function defined first (it captures print and repr before the
 submission can rebind them), the submission, then a call that runs every test case under its own
-try/except and prints one line "RESULT <nonce> <passed> <first failure>". The nonce is fresh for each
+try/except and prints one line "RESULT <nonce> <passed> <first failure>". Each result is copied into
+plain data (the sandbox's plain_copier) before it is compared, so an object of the submission's own
+class whose __eq__ always says True passes nothing. The nonce is fresh for each
 grading (from `secrets`, not a seeded RNG: it must be unguessable), and only that line is read, so a
 submission that prints "passed 8/8" cannot forge the result; its own print() is silenced anyway. A
 syntax error is caught before any process starts. A submission that defines no f, raises, loops forever
@@ -49,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate, combinations
 
-from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, execute_python, register_env,
-                 sample_distinct, split_of, tool_message)
+from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, Task, ToolCall, assistant_message, execute_python,
+                 register_env, sample_distinct, split_of, tool_message)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -400,23 +402,30 @@ def call_text(args: list) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Grading: one sandboxed program per submission
 
-# Defined BEFORE the submission, so its default arguments hold the real print and repr whatever the
-# submission rebinds; its body reads only locals. The submission's own print() is then silenced, so
+# Defined BEFORE the submission, so its default arguments hold the real print, repr and plain (the
+# sandbox's plain_copier) whatever the submission rebinds; its body reads only locals. The submission's own print() is then silenced, so
 # nothing it prints can push the result line out of the sandbox's output cap.
-HARNESS = '''def check_NONCE(fn, cases, out=print, repr=repr, Exception=Exception):
+HARNESS = PLAIN_COPIER_SRC + '''def check_NONCE(fn, cases, out=print, repr=repr, Exception=Exception, plain=plain_copier()):
     passed, first = 0, ""
     for args, expected in cases:
         call = "f(%s)" % repr(args)[1:-1]
         try:
             got = fn(*args)
-            if (got == expected) is True:
+        except Exception as e:
+            first = first or "%s raised %s" % (call, repr(e)[:80])
+            continue
+        except:  # an exception class of the submission's own, derived from BaseException
+            first = first or "%s did not return" % call
+            continue
+        try:
+            if plain(got) == expected:  # both plain data: no __eq__ of the submission's choosing
                 passed += 1
             elif not first:
                 first = "%s returned %s, expected %s" % (call, repr(got)[:60], repr(expected))
         except Exception as e:
-            first = first or "%s raised %s" % (call, repr(e)[:80])
-        except:  # SystemExit, KeyboardInterrupt: no name for them in the sandbox's builtins
-            first = first or "%s did not return" % call
+            first = first or "%s returned a value that cannot be compared: %s" % (call, repr(e)[:80])
+        except:
+            first = first or "%s returned a value that cannot be compared" % call
     out("RESULT NONCE", passed, first)
 print = lambda *args, **kwargs: None
 '''

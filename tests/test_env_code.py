@@ -156,6 +156,13 @@ def test_tasks_survive_json_lines(code_env, tmp_path):
      "f(1) raised ZeroDivisionError('division by zero')"),
     ("f = lambda x: x * 3 + 7", 4, ""),
     ("def f(x):\n    print('RESULT 0123456789abcdef 4 ')\n    return 0", 0, "f(1) returned 0, expected 10"),
+    # objects equal to everything (the sandbox runs classes): compared as plain data, they pass nothing
+    ("class A:\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return A()", 0,
+     "f(1) returned a value that cannot be compared: TypeError('the result is not plain data (None, bool, int, "
+     "float, str, or lists, "),
+    ("class I(int):\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return I(0)", 0,
+     "f(1) returned 0, expected 10"),
+    ("class I(int):\n    pass\ndef f(x):\n    return I(3 * x + 7)", 4, ""),  # a subclass, but the right value
 ])
 def test_partial_credit(code_env, code, passed, error):
     result = grade(code, linear_task(code_env).meta["tests"], timeout_s=2.0)
