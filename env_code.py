@@ -403,9 +403,10 @@ def call_text(args: list) -> str:
 # Grading: one sandboxed program per submission
 
 # Defined BEFORE the submission, so its default arguments hold the real print, repr and plain (the
-# sandbox's plain_copier) whatever the submission rebinds; its body reads only locals. The submission's own print() is then silenced, so
-# nothing it prints can push the result line out of the sandbox's output cap.
-HARNESS = PLAIN_COPIER_SRC + '''def check_NONCE(fn, cases, out=print, repr=repr, Exception=Exception, plain=plain_copier()):
+# sandbox's plain_copier) whatever the submission rebinds; its body reads only locals. The submission's
+# own print() is then silenced, so nothing it prints can push the result line out of the output cap.
+HARNESS = PLAIN_COPIER_SRC + '''def check_NONCE(fn, cases, out=print, repr=repr, Exception=Exception,
+                 plain=plain_copier()):
     passed, first = 0, ""
     for args, expected in cases:
         call = "f(%s)" % repr(args)[1:-1]

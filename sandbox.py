@@ -270,7 +270,7 @@ SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool; star
 #      in a threaded parent) but before a byte of the program is read: the same guarantee.
 #   2. The interpreter. Only ALLOWED_MODULES can be imported. They are loaded before the drop, with
 #      PRELOADED, what the interpreter loads lazily by itself (unicodedata: the parser needs it for a
-#      name like `π`): once we are nobody, a Python installed under a private home (/root/.pyenv) cannot
+#      name like `π`): once we are nobody, a Python installed in a private home (pyenv under /root) cannot
 #      be read, and once the audit hook is on, nothing can be imported. The program gets a copy of each
 #      module's public names without module objects (so no `fractions.sys`) and without getattr-by-
 #      string helpers (operator.attrgetter, string.Formatter). Builtins are a short list: no exec,

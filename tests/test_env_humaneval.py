@@ -211,7 +211,8 @@ def test_steps_python_exec_then_finish(own):
 
 def test_text_reply_is_a_submission(own):
     state, _ = own.reset(own.tasks[1], seed=0)
-    state, obs, reward, done, info = own.step(state, Action(text="```python\ndef shout(s):\n    return s.upper() + '!'\n```"))
+    reply = "```python\ndef shout(s):\n    return s.upper() + '!'\n```"
+    state, obs, reward, done, info = own.step(state, Action(text=reply))
     assert (reward, done, info["format_ok"], info["metrics"]["passed"]) == (1.0, True, False, 1.0)
 
 

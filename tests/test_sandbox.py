@@ -375,7 +375,8 @@ def test_concurrent_calls_are_independent():
     ("import string\nstring.ascii_lowercase[:5] + string.digits[-1]", "'abcde9'"),
     ("import copy\nx = [[1], {'a': [2]}]\ny = copy.deepcopy(x)\ny[0].append(3)\nx, y",
      "([[1], {'a': [2]}], [[1, 3], {'a': [2]}])"),
-    ("import heapq, bisect\nh = [5, 1, 4]\nheapq.heapify(h)\nheapq.heappop(h), bisect.bisect_left([1, 3, 5], 4)", "(1, 2)"),
+    ("import heapq, bisect\nh = [5, 1, 4]\nheapq.heapify(h)\nheapq.heappop(h), bisect.bisect_left([1, 3, 5], 4)",
+     "(1, 2)"),
     ("import random\nrng = random.Random(42)\n[rng.randint(1, 9) for _ in range(3)]", "[2, 1, 5]"),
     ("import collections\ncollections.deque([1, 2, 3], maxlen=2), collections.defaultdict(int)['k']",
      "(deque([2, 3], maxlen=2), 0)"),
@@ -388,15 +389,18 @@ def test_concurrent_calls_are_independent():
      "    def __repr__(self):\n        return f'{self.name}:{self.items}'\n"
      "s = Named('a').push(1).push(2)\ns, len(s), Stack.count, isinstance(s, Stack)", "(a:[1, 2], 2, 1, True)"),
     ("class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n    def __eq__(self, other):\n"
-     "        return (self.x, self.y) == (other.x, other.y)\n    def __hash__(self):\n        return hash((self.x, self.y))\n"
+     "        return (self.x, self.y) == (other.x, other.y)\n"
+     "    def __hash__(self):\n        return hash((self.x, self.y))\n"
      "    @property\n    def norm1(self):\n        return abs(self.x) + abs(self.y)\n"
      "    @staticmethod\n    def origin():\n        return Point(0, 0)\n"
      "len({Point(1, 2), Point(1, 2), Point.origin()}), Point(-3, 4).norm1", "(2, 7)"),
-    ("class Empty(Exception):\n    pass\ntry:\n    raise Empty('none left')\nexcept Empty as e:\n    print('caught', e)",
+    ("class Empty(Exception):\n    pass\n"
+     "try:\n    raise Empty('none left')\nexcept Empty as e:\n    print('caught', e)",
      "caught none left"),
     ("def main():\n    print('ran')\nif __name__ == '__main__':\n    main()", "ran"),
     # eval of an expression built at run time (HumanEval/160 does this), under the program's rules
-    ("ops, nums = ['**', '*', '+'], [2, 3, 4, 5]\ne = str(nums[0])\nfor o, n in zip(ops, nums[1:]):\n    e += o + str(n)\n"
+    ("ops, nums = ['**', '*', '+'], [2, 3, 4, 5]\ne = str(nums[0])\n"
+     "for o, n in zip(ops, nums[1:]):\n    e += o + str(n)\n"
      "eval(e)", "37"),
     ("def f(x):\n    return eval('x * k', {'k': 3}, {'x': x})\nf(14)", "42"),
     ("import copy\nid(1) == id(1), copy.copy([1]) == [1]", "(True, True)"),
@@ -488,7 +492,8 @@ def test_plain_copier_in_the_sandbox():
     # defined first, as a grader does; the program then rebinds the builtins it uses
     program = (sandbox.PLAIN_COPIER_SRC + "plain = plain_copier()\n" + ALWAYS_EQUAL +
                "int = str = isinstance = lambda *a: True\n"
-               "try:\n    plain(Any())\nexcept TypeError as e:\n    print('refused:', e)\nprint(plain([7, 'x']) == [7, 'x'])")
+               "try:\n    plain(Any())\nexcept TypeError as e:\n    print('refused:', e)\n"
+               "print(plain([7, 'x']) == [7, 'x'])")
     text, kind = execute_python(program)
     assert kind is None and text.startswith("refused: the result is not plain data") and text.endswith("True")
 
