@@ -208,7 +208,6 @@ class EnvPool:
         self.workers = list(env_workers)
 
     def __call__(self, calls: list[tuple[str, object, Action]]) -> list[StepResult]:
-        import ray
         n = len(self.workers)
         bounds = [len(calls) * k // n for k in range(n + 1)]
         refs = [w.step.remote(calls[a:b]) for w, a, b in zip(self.workers, bounds, bounds[1:]) if b > a]
@@ -304,7 +303,6 @@ def dispatch(kind: str, workers: list, tasks: list[Task], params, seed: int,
 
     `agent` overrides the workers' AgentConfig (eval: n_samples=1; the pipeline needs it to split the stages).
     """
-    import ray
     if kind not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {kind!r}; choose from {list(DISPATCHERS)}")
     if not workers:

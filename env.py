@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 # The two sandboxes behind python_eval and python_exec; the worlds that run programs (env_code.py, env_humaneval.py)
-# use execute_python and PLAIN_COPIER_SRC through env.py, the one file they import.
-from sandbox import PLAIN_COPIER_SRC, SANDBOX, execute_python  # noqa: F401 (PLAIN_COPIER_SRC: for the worlds)
+# use execute_python, ExecLimits and PLAIN_COPIER_SRC through env.py, the one file they import.
+from sandbox import PLAIN_COPIER_SRC, SANDBOX, ExecLimits, execute_python  # noqa: F401 (for the worlds)
 
 
 # ----------------------------------------------------------------------------------------------------

