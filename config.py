@@ -139,7 +139,11 @@ class Config:
     eval_temperature: float = 0.0    # sampling temperature of held-out evals (0: greedy)
     eval_seed: int = 1234            # picks the held-out tasks, the same for every run seed so runs compare
     checkpoint_every: int = 0        # save a checkpoint every k steps (0: only at the end)
-    resume: str = ""                 # a checkpoint folder to resume from (exact: weights, optimizer, RNG, step)
+    keep_checkpoints: int = 0        # keep the newest k of checkpoints/ (0: all); older ones go once a new one is in place
+    resume: str = ""                 # a checkpoint folder to resume from (exact: weights, optimizer, RNG, steps), or
+                                     # "auto": the latest complete checkpoint of this run's folder, if there is one
+    log_timings: bool = True         # perf/* wall-clock metrics in metrics.jsonl; false: every record reproducible bit
+                                     # for bit (the kill-and-resume test compares the files byte for byte)
     wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
     wandb_project: str = "nano-skyrl"
     threads: int = 0                 # torch CPU threads (0: torch's default)
@@ -298,6 +302,8 @@ def validate(cfg: Config) -> Config:
     validate_ray(cfg)
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
+    if cfg.keep_checkpoints < 0 or cfg.checkpoint_every < 0:
+        raise ValueError("checkpoint_every and keep_checkpoints must be >= 0 (0: only at the end; 0: keep all)")
     if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):
         raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
                          "non-empty")

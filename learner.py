@@ -1,6 +1,6 @@
 """learner.py: the training side of RL: scoring (log-probs, values), the policy update, SFT, checkpoints.
 
-Everything the learner owns lives in one dataclass, `LearnerState` (model, optimizer, step, RNG), that
+Everything the learner owns lives in one dataclass, `LearnerState` (model, optimizer, optimizer step, RNG), that
 is passed in and a new one returned: `train_step(state, batch, cfg) -> (state, metrics)`. The model and the
 optimizer are torch objects, updated in place; the counters are replaced, never mutated. The dataclass makes
 it explicit *what* the learner's state is, so that a checkpoint saves exactly that and a resume restores it.
@@ -79,7 +79,8 @@ class LearnerConfig:
 class LearnerState:
     model: torch.nn.Module                # the policy (a Transformer) or a Critic, updated in place
     optimizer: torch.optim.Optimizer      # AdamW over model's trainable parameters
-    step: int = 0                         # optimizer steps taken so far
+    optimizer_step: int = 0               # optimizer steps taken so far: the learning-rate schedule's clock (an RL
+                                          # step takes mini_batches x ppo_epochs of them; the loop counts RL steps)
     rng: torch.Generator = None           # shuffles mini-batches; saved and restored with checkpoints
     ref_model: Transformer | None = None  # frozen reference policy for the KL term (None when kl_coef == 0)
 
@@ -105,7 +106,7 @@ def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_mode
     if ref_model is not None:
         ref_model.requires_grad_(False).eval()
     rng = torch.Generator().manual_seed(seed)
-    return LearnerState(model=model, optimizer=opt, step=0, rng=rng, ref_model=ref_model)
+    return LearnerState(model=model, optimizer=opt, optimizer_step=0, rng=rng, ref_model=ref_model)
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -370,7 +371,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
 
     B = batch.input_ids.shape[0]
     sums: dict[str, float] = {}
-    n_updates, step = 0, state.step
+    n_updates, step = 0, state.optimizer_step
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
         for rows in order.chunk(cfg.mini_batches):
@@ -404,7 +405,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps
     metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})  # of the whole batch
     metrics["train/updates"] = n_updates
-    return replace(state, step=step), metrics
+    return replace(state, optimizer_step=step), metrics
 
 
 # -----------------------------------------------------------------------------
@@ -463,8 +464,8 @@ def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, valu
         w = _share(mask[idx, :L], mask, "token-mean")
         return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
 
-    m = _accumulate(state, cfg, mask, micro_loss, state.step)
-    return replace(state, step=state.step + 1), {f"critic/{k}": v for k, v in m.items()}
+    m = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
+    return replace(state, optimizer_step=state.optimizer_step + 1), {f"critic/{k}": v for k, v in m.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -485,8 +486,8 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
         w = _share(m, mask, "token-mean")
         return nll * w, {"loss": float(nll.detach()) * w}
 
-    m = _accumulate(state, cfg, mask, micro_loss, state.step)
-    return replace(state, step=state.step + 1), {f"sft/{k}": v for k, v in m.items()}
+    m = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
+    return replace(state, optimizer_step=state.optimizer_step + 1), {f"sft/{k}": v for k, v in m.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -619,11 +620,11 @@ def load_adapter(model: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: weights in Hugging Face layout + optimizer, step and RNG state beside them
+# checkpoints: weights in Hugging Face layout + optimizer, optimizer step and RNG state beside them
 
 def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, base_model: str = "") -> None:
     """Write `path/` as a loadable HF folder (config.json, model.safetensors) plus `trainer_state.pt`
-    (optimizer, step, RNG states) and `trainer_state.json` (step and `extra`, human-readable). A LoRA model
+    (optimizer, optimizer step, RNG states) and `trainer_state.json` (that step and `extra`, human-readable). A LoRA model
     writes only its adapter (save_adapter: PEFT names; `base_model` goes into adapter_config.json).
     Sharded: every rank calls it (weights and optimizer state are gathered), rank 0 writes. The optimizer
     state is keyed by parameter name, so a checkpoint resumes under any number of processes."""
@@ -643,11 +644,11 @@ def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, b
     elif sd:
         save_file({k: v.detach().clone() for k, v in sd.items()},  # clone: tied weights
                   os.path.join(path, "model.safetensors"))
-    torch.save({"optimizer": optim, "step": state.step,
+    torch.save({"optimizer": optim, "optimizer_step": state.optimizer_step,
                 "rng": state.rng.get_state(), "torch_rng": torch.get_rng_state()},
                os.path.join(path, "trainer_state.pt"))
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
-        json.dump({"step": state.step, **(extra or {})}, f, indent=2)
+        json.dump({"optimizer_step": state.optimizer_step, **(extra or {})}, f, indent=2)
 
 
 def _plain_model(cfg, sd: dict) -> Transformer:
@@ -673,8 +674,8 @@ def _tied(model) -> bool:
 
 
 def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
-    """Restore weights (or a LoRA model's adapters), optimizer, step and RNG from `path` into `state` (built
-    the same way as when saved, with any number of processes). Every rank reads the files."""
+    """Restore weights (or a LoRA model's adapters), optimizer, optimizer step and RNG from `path` into `state`
+    (built the same way as when saved, with any number of processes). Every rank reads the files."""
     if _lora_modules(state.model):
         load_adapter(state.model, path)
     else:
@@ -693,6 +694,9 @@ def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
     ts = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     set_optimizer_state_dict(state.model, state.optimizer, ts["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
+    for group in state.optimizer.param_groups:   # the loader hands tuples (AdamW's betas) back as lists: the same
+        group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})  # as saved
     state.rng.set_state(ts["rng"])
     torch.set_rng_state(ts["torch_rng"])
-    return replace(state, step=ts["step"])
+    # "step": the name this counter had in checkpoints written before the RL step got its own
+    return replace(state, optimizer_step=ts.get("optimizer_step", ts.get("step")))

@@ -3,58 +3,159 @@
     config.yaml               the resolved config (write_config)
     metrics.jsonl             one JSON object per step (Logger; also to wandb, offline unless WANDB_MODE says otherwise)
     episodes_step<N>.jsonl    every held-out episode of the eval at step N (eval.dump_episodes)
-    checkpoints/step_<N>/     a checkpoint every checkpoint_every steps (save_run_checkpoint)
+    checkpoints/step_<N>/     a checkpoint every checkpoint_every steps (save_run_checkpoint), keep_checkpoints kept
     final/                    the last checkpoint: a Hugging Face folder (weights, tokenizer) plus the learner's state
     curves.png, summary.json  the reward and held-out accuracy curves, the eval curve and the wall time (finish_run)
 
+Nothing is lost when a run is killed (preemption, OOM, Ctrl-C, SIGKILL) at any moment:
+  - a checkpoint folder is complete or absent: it is written into `<name>.partial/`, its marker (checkpoint.json,
+    with the RL step) written last, then renamed into place; a loader refuses a folder without the marker;
+  - `resume=auto` continues from the latest complete checkpoint of the run folder (or starts fresh when there is
+    none), so a preemptible job is relaunched with the same command; a run folder whose config.yaml differs from
+    the new config (in anything but RESUME_FREE_KEYS) is refused, naming the keys;
+  - on resume the logs are cut back to the checkpoint: metrics.jsonl keeps the records up to its step and the
+    episode dumps after it are removed, so the logs always match the weights (and wandb resumes the same run).
 Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks.
 Imports: learner.py (checkpoints) and plot.py (the curves).
 """
 import dataclasses
+import glob
 import json
 import os
 import pickle
+import re
+import secrets
 import shutil
 
 import yaml
 
-from learner import LearnerState, is_main, save_checkpoint, save_merged
+from learner import LearnerState, barrier, is_main, save_checkpoint, save_merged
 from plot import save_curves
 
 PENDING = "pending_rollouts.pkl"        # async mode: the next step's rollouts, saved with a checkpoint
+MARKER = "checkpoint.json"              # written last into a checkpoint folder: {"rl_step", "optimizer_step", ...}
+# what may change between a run and its resumed continuation: how long it runs, where and how it is launched,
+# how it is logged and checkpointed; anything else would silently train a different run
+RESUME_FREE_KEYS = ("steps", "resume", "threads", "wandb", "wandb_project", "log_timings", "checkpoint_every",
+                    "keep_checkpoints", "ray.address", "ray.learner_workers", "ray.cpus_per_learner",
+                    "ray.gpus_per_learner", "ray.placement_strategy")
 
+
+# -----------------------------------------------------------------------------
+# the config, and what a resumed run must agree with
 
 def write_config(cfg) -> str:
     """The run folder out_dir/run_name, made, with config.yaml in it: the resolved config of the run (config.Config),
     the same tree `--config` reads -> the folder."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+    _write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     return run_dir
 
 
+def resolve_resume(cfg) -> str:
+    """The checkpoint folder this run continues from, "" for a fresh start. `resume=auto`: the latest complete
+    checkpoint of this run's folder (checkpoints/step_<N>/ or final/), "" when there is none. A path: that folder,
+    which must be a complete checkpoint. Either way, resuming into a run folder that already has a config.yaml
+    needs the same config up to RESUME_FREE_KEYS (ValueError naming the differing keys)."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    path = latest_checkpoint(run_dir) if cfg.resume == "auto" else cfg.resume
+    if not path:
+        return ""
+    checkpoint_step(path)                           # a complete checkpoint, or a clear error
+    old = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(old):
+        with open(old) as f:
+            differ = _differing_keys(yaml.safe_load(f) or {}, dataclasses.asdict(cfg))
+        differ = [k for k in differ if k not in RESUME_FREE_KEYS]
+        if differ:
+            raise ValueError(f"resume into {run_dir}: its config.yaml differs from this config in {differ}; resume with "
+                             "the same config (only steps and the launch keys may change) or use another run_name")
+    return path
+
+
+def _differing_keys(a, b, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (lists of env specs compared whole)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b))
+                for k in _differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if _plain(a) == _plain(b) else [prefix.rstrip(".")]
+
+
+def _plain(x):
+    """YAML reads tuples back as lists: compare the two alike."""
+    return [_plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: complete or absent
+
 def save_run_checkpoint(path: str, cfg, model_dir: str, policy: LearnerState, critic: LearnerState | None,
-                        pending=None) -> None:
-    """The learner (and critic) state in `path`, with the tokenizer files, so the folder is a Hugging Face model.
-    Every rank calls it (weights are gathered), rank 0 writes. A LoRA run writes its adapter (PEFT files) and, in
-    `final/merged/`, the merged model that eval.py loads. `pending`: async mode's next batch, sampled from the
-    previous weights, which no checkpoint holds."""
-    save_checkpoint(policy, path, extra={"run_name": cfg.run_name}, base_model=model_dir)
+                        rl_step: int, pending=None) -> None:
+    """The learner (and critic) state in `path`, with the tokenizer files, so the folder is a Hugging Face model,
+    and the RL step it was taken after. Written into `path.partial/`, the marker last, then renamed into place, so
+    a kill at any moment leaves the previous checkpoint or this one, never half of one. Every rank calls it (weights
+    are gathered), rank 0 writes. A LoRA run writes its adapter (PEFT files) and, in `final/merged/`, the merged
+    model that eval.py loads. `pending`: async mode's next batch, sampled from the previous weights, which no
+    checkpoint holds. Then keeps the newest cfg.keep_checkpoints of checkpoints/ (0: all)."""
+    tmp = path + ".partial"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)     # what a kill left of an earlier attempt
+    save_checkpoint(policy, tmp, extra={"run_name": cfg.run_name, "rl_step": rl_step}, base_model=model_dir)
     if critic is not None:
-        save_checkpoint(critic, os.path.join(path, "critic"))
-    folders = [path]
+        save_checkpoint(critic, os.path.join(tmp, "critic"))
+    folders = [tmp]
     if cfg.learner.lora_rank and os.path.basename(path) == "final":
-        save_merged(policy.model, os.path.join(path, "merged"))
-        folders.append(os.path.join(path, "merged"))
-    if not is_main():
-        return
-    for folder in folders:
-        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copy(os.path.join(model_dir, f), folder)
-    if pending is not None:
-        with open(os.path.join(path, PENDING), "wb") as f:
-            pickle.dump(pending, f)
+        save_merged(policy.model, os.path.join(tmp, "merged"))
+        folders.append(os.path.join(tmp, "merged"))
+    if is_main():
+        for folder in folders:
+            for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+                shutil.copy(os.path.join(model_dir, f), folder)
+        if pending is not None:
+            with open(os.path.join(tmp, PENDING), "wb") as f:
+                pickle.dump(pending, f)
+        _write_atomic(os.path.join(tmp, MARKER), json.dumps(
+            {"rl_step": rl_step, "optimizer_step": policy.optimizer_step, "run_name": cfg.run_name}, indent=2))
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, path)
+        if os.path.basename(os.path.dirname(path)) == "checkpoints":
+            prune_checkpoints(os.path.dirname(path), cfg.keep_checkpoints)
+    barrier()                                      # no rank reads a checkpoint rank 0 is still renaming
+
+
+def checkpoint_step(path: str) -> int:
+    """The RL step of the complete checkpoint at `path`; ValueError when it is not one (a folder a kill left half
+    written has no marker)."""
+    marker = os.path.join(path, MARKER)
+    if not os.path.exists(marker):
+        what = "does not exist" if not os.path.exists(path) else f"has no {MARKER} (not a complete checkpoint)"
+        raise ValueError(f"resume={path}: the folder {what}")
+    with open(marker) as f:
+        return int(json.load(f)["rl_step"])
+
+
+def latest_checkpoint(run_dir: str) -> str:
+    """The complete checkpoint of `run_dir` with the highest RL step (final/ counts), or "" when there is none."""
+    candidates = _step_folders(os.path.join(run_dir, "checkpoints")) + [os.path.join(run_dir, "final")]
+    complete = [(checkpoint_step(p), p.endswith("final"), p) for p in candidates
+                if os.path.exists(os.path.join(p, MARKER))]
+    return max(complete)[2] if complete else ""
+
+
+def _step_folders(folder: str) -> list[str]:
+    """checkpoints/step_<N> folders, by N: never a step_<N>.partial (a write a kill interrupted, marker or not)."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(folder, "step_*"))
+             if (m := re.fullmatch(r"step_(\d+)", os.path.basename(p)))]
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(folder: str, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints of `folder` (keep 0: remove none). Called after a new
+    one is in place, so a kill here loses nothing needed."""
+    complete = [p for p in _step_folders(folder) if os.path.exists(os.path.join(p, MARKER))]
+    for p in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(p)
 
 
 def load_pending(path: str):
@@ -65,26 +166,80 @@ def load_pending(path: str):
         return pickle.load(f)
 
 
-class Logger:
-    """metrics.jsonl (always) + wandb (optional, offline by default): one record per step at the global step.
-    On ranks other than 0 (`enabled=False`) it writes nothing."""
+def _swap_into_place(tmp: str, path: str) -> None:
+    """Rename the finished `tmp` folder to `path`. A folder cannot be renamed over a non-empty one: an older `path`
+    (a re-written final/) is first renamed aside, then removed; a kill in between leaves `path` absent, not wrong."""
+    old = path + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(os.path.dirname(path) or ".")
 
-    def __init__(self, run_dir: str, cfg, resume: bool, enabled: bool = True):
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w") if enabled else None
-        self.wandb = None
-        if cfg.wandb and enabled:
-            os.environ.setdefault("WANDB_MODE", "offline")
-            os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, dir=run_dir,
-                                    config=dataclasses.asdict(cfg), resume="allow")
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write a file as a whole or not at all: a temporary file beside it, flushed to disk, then renamed."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(folder: str) -> None:
+    """Flush every file of a folder to disk before the rename that publishes it (a power loss, not only a kill)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -----------------------------------------------------------------------------
+# logs that match the weights
+
+class Logger:
+    """metrics.jsonl (always) + wandb (optional, offline by default): one record per RL step. On ranks other than 0
+    (`enabled=False`) it writes nothing. Resumed after `resume_step`, it first cuts the logs back to that step:
+    metrics.jsonl keeps its records up to it (nothing is logged twice, nothing kept is lost), the episode dumps of
+    later evals are removed, and wandb resumes the same run (its id is kept in the run folder) from that step.
+    log_timings=false drops the perf/* wall-clock metrics, so a record is reproducible bit for bit."""
+
+    def __init__(self, run_dir: str, cfg, resume_step: int | None = None, enabled: bool = True):
+        self.file, self.wandb, self.log_timings = None, None, cfg.log_timings
+        self.history = []                          # (step, metrics): the records kept, for the curves
+        if not enabled:
+            return
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None:
+            self.history = [(r["step"], r) for r in read_metrics(path) if r["step"] <= resume_step]
+            _write_atomic(path, "".join(json.dumps(r) + "\n" for _, r in self.history))
+            for dump in glob.glob(os.path.join(run_dir, "episodes_step*.jsonl")):
+                if int(re.search(r"episodes_step(\d+)\.jsonl$", dump).group(1)) > resume_step:
+                    os.remove(dump)
+        self.file = open(path, "a" if resume_step is not None else "w")
+        if cfg.wandb:
+            self.wandb = _wandb_run(run_dir, cfg, resume_step)
 
     def log(self, step: int, metrics: dict) -> dict:
-        """Write one step's record -> the metrics (for the caller's history)."""
+        """Write one step's record -> the metrics."""
         if self.file is None:
             return metrics
+        if not self.log_timings:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
+        self.history.append((step, {"step": step, **metrics}))
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         return metrics
@@ -94,6 +249,40 @@ class Logger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl; a last line cut by a kill (no newline, not JSON) is dropped."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
+
+
+def _wandb_run(run_dir: str, cfg, resume_step: int | None):
+    """A wandb run, offline unless WANDB_MODE says otherwise, whose id is kept in the run folder: a resumed run
+    continues the same wandb run, rewound to the checkpoint's step (wandb's resume_from) when it can be."""
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+    id_file = os.path.join(run_dir, "wandb_run_id")
+    run_id = open(id_file).read().strip() if resume_step is not None and os.path.exists(id_file) else None
+    if run_id is None:
+        run_id = secrets.token_hex(4)              # wandb's ids: 8 lowercase letters and digits
+        _write_atomic(id_file, run_id)
+    kwargs = dict(project=cfg.wandb_project, name=cfg.run_name, dir=run_dir, config=dataclasses.asdict(cfg))
+    if resume_step is not None and os.environ["WANDB_MODE"] != "offline":
+        try:                                       # rewind: the steps logged after the checkpoint are replaced
+            return wandb.init(resume_from=f"{run_id}?_step={resume_step}", **kwargs)
+        except Exception:                          # a server without rewind: resume, later steps logged again
+            pass
+    return wandb.init(id=run_id, resume="allow", **kwargs)
 
 
 def finish_run(run_dir: str, history: list, minutes: float) -> dict:

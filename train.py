@@ -51,7 +51,7 @@ from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, b
                      load_checkpoint, make_learner, merged_state_dict, shard_model, train_step)
 from model import load_model
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
-from runs import Logger, finish_run, load_pending, save_run_checkpoint, write_config
+from runs import Logger, checkpoint_step, finish_run, load_pending, resolve_resume, save_run_checkpoint, write_config
 
 # What each random draw of a step is for: its seed is mix_seed(run seed, step, purpose[, refill round]).
 SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3
@@ -211,10 +211,11 @@ def model_folder(cfg: Config) -> str:
     return build_default_model(cfg)
 
 
-def build_learner(cfg: Config, model_dir: str) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
+def build_learner(cfg: Config, model_dir: str, resume: str
+                  ) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
     """-> (the policy's learner state, PPO's critic or None, a plain copy of the base model for an in-process
     torch engine or None). The reference, the critic and the engine start from the base model; LoRA wraps only
-    the policy, and sharding (torchrun) happens after. A resumed run's states are loaded here."""
+    the policy, and sharding (torchrun) happens after. A resumed run's states are loaded from `resume`."""
     model = load_model(model_dir, dtype=getattr(torch, cfg.model.dtype))
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
     learner_cfg, critic_cfg = learner_configs(cfg)
@@ -229,10 +230,10 @@ def build_learner(cfg: Config, model_dir: str) -> tuple[LearnerState, LearnerSta
     model = shard_model(model, learner_cfg)           # one process: unchanged
     ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
     policy = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
-    if cfg.resume:
-        policy = load_checkpoint(policy, cfg.resume)
+    if resume:
+        policy = load_checkpoint(policy, resume)
         if critic is not None:
-            critic = load_checkpoint(critic, os.path.join(cfg.resume, "critic"))
+            critic = load_checkpoint(critic, os.path.join(resume, "critic"))
     return policy, critic, engine_model
 
 
@@ -268,29 +269,29 @@ def main(cfg: Config) -> dict:
         torch.set_num_threads(cfg.threads)
     _, world = init_distributed()                 # (0, 1) for `python train.py`; torchrun sets the rest
     torch.manual_seed(cfg.seed)
+    resume = resolve_resume(cfg)                  # "": a fresh start; resume=auto: the latest complete checkpoint
+    start = checkpoint_step(resume) if resume else 0     # the RL steps already taken
     run_dir = write_config(cfg) if is_main() else os.path.join(cfg.out_dir, cfg.run_name)
 
     # --- build: model, tokenizer, learner; on rank 0 the envs, the rollout source and the held-out tasks
     model_dir = model_folder(cfg)
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     pad_id = tokenizer.token_to_id("<|endoftext|>")
-    policy, critic, engine_model = build_learner(cfg, model_dir)
-    weights = merged_state_dict(policy.model) if cfg.resume or cfg.learner.lora_rank else None  # every rank joins
+    policy, critic, engine_model = build_learner(cfg, model_dir, resume)
+    weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
     rollouts = envs = eval_tasks = None
     if is_main():
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
         rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model, weights)
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     learner_cfg, critic_cfg = learner_configs(cfg)
-    logger = Logger(run_dir, cfg, resume=bool(cfg.resume), enabled=is_main())
-    history = []                                   # (step, metrics) of this process, for the plot
-    start = policy.step if cfg.resume else 0
-    pending = load_pending(cfg.resume) if cfg.resume and cfg.rollout.async_rollouts else None
+    logger = Logger(run_dir, cfg, resume_step=start if resume else None, enabled=is_main())  # logs cut back to start
+    pending = load_pending(resume) if resume and cfg.rollout.async_rollouts else None
     prefetch = Prefetcher(lambda step: collect_rollouts(cfg, rollouts, envs, step), cfg.steps,
                           cfg.rollout.async_rollouts and is_main(), pending)
     if start == 0 and is_main():
-        history.append((0, logger.log(0, run_eval(cfg, rollouts, eval_tasks, run_dir, 0))))
-        print(f"step 0: held-out accuracy {history[0][1]['eval/accuracy']:.3f}", flush=True)
+        m = logger.log(0, run_eval(cfg, rollouts, eval_tasks, run_dir, 0))
+        print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
 
     # --- the RL loop
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True,
@@ -340,21 +341,21 @@ def main(cfg: Config) -> dict:
         if is_main():
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 metrics.update(run_eval(cfg, rollouts, eval_tasks, run_dir, step))
-            history.append((step, logger.log(step, metrics)))
+            logger.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_run_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"), cfg, model_dir, policy, critic,
-                                prefetch.pending)
+                                step, prefetch.pending)
 
     # --- the end: final checkpoint, curves, summary
-    save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic)
+    save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic, max(start, cfg.steps))
     prefetch.shutdown()
     logger.finish()
     summary = {"run_dir": run_dir}
     if is_main():
         rollouts.shutdown()
-        summary = finish_run(run_dir, history, (time.time() - t_start) / 60)
+        summary = finish_run(run_dir, logger.history, (time.time() - t_start) / 60)
     cleanup_distributed()
     return summary
 

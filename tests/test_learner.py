@@ -83,10 +83,10 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
     resumed = make_learner(init_model(CFG, seed=1), cfg, seed=123)        # different init and RNG on purpose
     resumed = load_checkpoint(resumed, str(tmp_path / "ck"))
-    assert resumed.step == 2 * 4
+    assert resumed.optimizer_step == 2 * 4
     for b in batches[2:]:
         resumed, _ = train_step(resumed, scored(resumed, b, cfg), cfg)
-    assert resumed.step == state.step
+    assert resumed.optimizer_step == state.optimizer_step
     for (k, a), (_, b) in zip(state.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), k
 

@@ -2,6 +2,7 @@
 and writes what it promises, and a resumed run ends bit-identical to an uninterrupted one."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -50,40 +51,67 @@ def test_main_smoke(tiny):
     assert os.path.isdir(os.path.join(run, "wandb"))
 
 
-def test_resume_is_exact(tiny):
-    full = main(tiny("steps=4", "eval_every=100", "checkpoint_every=2", "run_name=full", "learner.entropy_coef=0.01"))
-    half = os.path.join(full["run_dir"], "checkpoints", "step_2")
-    resumed = main(tiny("steps=4", "eval_every=100", "run_name=resumed", f"resume={half}", "learner.entropy_coef=0.01"))
-    a = load_file(os.path.join(full["run_dir"], "final", "model.safetensors"))
-    b = load_file(os.path.join(resumed["run_dir"], "final", "model.safetensors"))
-    start = load_file(os.path.join(half, "model.safetensors"))
-    assert any(not torch.equal(a[k], start[k]) for k in a)          # steps 3-4 did change the weights
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+def same_file(a: str, b: str) -> bool:
+    with open(a, "rb") as f, open(b, "rb") as g:
+        return f.read() == g.read()
 
 
-def test_default_model_loads_in_transformers(tiny):
-    transformers = need("transformers", "the logits-parity oracle")
-    from agent import render
-    from env import make_env
-    from model import load_model
-    from sft import build_default_model
+# every batch shape whose RL step takes several optimizer steps, and the states a checkpoint must hold beside the
+# policy: PPO's critic, LoRA's adapters
+RESUME_CASES = {"one_update": [], "mini_batches": ["learner.mini_batches=2", "learner.ppo_epochs=2"],
+                "ppo": ["algo.name=ppo", "learner.mini_batches=2"],
+                "lora": ["learner.lora_rank=4", "learner.lora_alpha=8", "learner.lr=3e-3", "learner.mini_batches=2"]}
 
-    cfg = tiny()
-    path = build_default_model(cfg)
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ours = load_model(path)
-    ids = torch.randint(0, ours.cfg.vocab_size, (2, 17))
-    torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
-    # the shipped chat template renders exactly what agent.render does
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    env = make_env("toy_math")
-    import random
-    msgs = env.demonstration(env.sample_tasks("test", 1, 0)[0], random.Random(0), True)
-    assert tok.apply_chat_template(msgs, tools=env.tools(), tokenize=False) == render(msgs, env.tools())
-    text = render(msgs, env.tools())
-    assert tok(text)["input_ids"] == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_is_exact(tiny, case):
+    """Resumed from checkpoints/step_2 into the same run folder, the run continues at RL step 3 (not at the
+    optimizer step, which runs ahead with mini-batches and epochs), logs steps 3-4 exactly as the uninterrupted
+    run, and ends with its bytes: weights (or adapters), optimizer state, metrics.jsonl."""
+    extra = ["steps=4", "eval_every=2", "learner.entropy_coef=0.01", "log_timings=false", *RESUME_CASES[case]]
+    full = main(tiny(*extra, "checkpoint_every=2", f"run_name=full_{case}"))["run_dir"]
+    half = main(tiny(*extra, "steps=2", "checkpoint_every=2", f"run_name=half_{case}"))["run_dir"]
+    assert json.load(open(os.path.join(half, "checkpoints", "step_2", "checkpoint.json")))["rl_step"] == 2
+    resumed = main(tiny(*extra, f"run_name=half_{case}", f"resume={half}/checkpoints/step_2"))["run_dir"]
+    lines = [json.loads(l) for l in open(os.path.join(resumed, "metrics.jsonl"))]
+    assert [l["step"] for l in lines] == [0, 1, 2, 3, 4]                           # nothing twice, nothing lost
+    weights = "adapter_model.safetensors" if case == "lora" else "model.safetensors"
+    for f in (weights, "trainer_state.pt", "critic/model.safetensors" if case == "ppo" else weights):
+        assert same_file(os.path.join(full, "final", f), os.path.join(resumed, "final", f)), f
+    assert same_file(os.path.join(full, "metrics.jsonl"), os.path.join(resumed, "metrics.jsonl"))
+    a, start = load_file(os.path.join(full, "final", weights)), load_file(os.path.join(half, "checkpoints", "step_2",
+                                                                                         weights))
+    assert any(not torch.equal(a[k], start[k]) for k in a)                          # steps 3-4 did train
+
+
+def test_resume_auto_continues_the_latest_complete_checkpoint(tiny):
+    """resume=auto with nothing to resume starts fresh; after a kill it continues from the newest complete
+    checkpoint (a half-written folder, or one without its marker, is passed over), cuts metrics.jsonl back to that
+    step and removes later episode dumps; a changed config is refused, naming the keys."""
+    extra = ["eval_every=1", "checkpoint_every=1", "learner.entropy_coef=0.01", "log_timings=false",
+             "run_name=auto", "resume=auto"]
+    run = main(tiny(*extra, "steps=3"))["run_dir"]                                 # nothing to resume: fresh
+    assert [json.loads(l)["step"] for l in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2, 3]
+    # what a kill at step 3 leaves: step_3 renamed back into an unfinished write, final/ gone, a torn last line
+    shutil.rmtree(os.path.join(run, "final"))
+    os.rename(os.path.join(run, "checkpoints", "step_3"), os.path.join(run, "checkpoints", "step_3.partial"))
+    os.remove(os.path.join(run, "checkpoints", "step_2", "checkpoint.json"))        # and step_2 never finished
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "rollout/rew')
+    with pytest.raises(ValueError, match=r"differs from this config in \['learner.lr'\]"):
+        main(tiny(*extra, "steps=3", "learner.lr=5e-4"))
+    summary = main(tiny(*extra, "steps=3"))                                         # from step_1
+    assert [json.loads(l)["step"] for l in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2, 3]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_1", "step_2", "step_3"]
+    assert summary["eval_curve"][0][0] == 0                                         # the curves keep the old steps
+    os.makedirs(os.path.join(run, "checkpoints", "step_4.partial"))                  # a write a kill interrupted
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        main(tiny(*extra[:-1], "steps=4", f"resume={run}/checkpoints/step_4.partial"))
+
+
+def test_keep_checkpoints_removes_old_ones_after_the_new_one(tiny):
+    run = main(tiny("steps=3", "eval_every=100", "checkpoint_every=1", "keep_checkpoints=2", "run_name=keep"))
+    assert sorted(os.listdir(os.path.join(run["run_dir"], "checkpoints"))) == ["step_2", "step_3"]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "sapo", "ppo"])
