@@ -27,6 +27,7 @@ from cluster import DISPATCHERS, RayConfig
 from env import env_class
 from learner import LearnerConfig
 from model import safetensors_files
+from runs import MARKER, resolve_resume
 
 
 @dataclass
@@ -442,19 +443,21 @@ def check_model_folder(path, key: str, weights: bool = True) -> str:
 
 
 def check_checkpoint_folder(path, key: str, critic: bool = False) -> str:
-    """`path` if it is a checkpoint folder that a run resumes from (learner.save_checkpoint wrote trainer_state.pt,
-    and critic/trainer_state.pt for PPO's critic when `critic`); else ValueError naming `key`."""
+    """`path` if it is a complete checkpoint folder that a run resumes from (learner.save_checkpoint wrote
+    trainer_state.pt, and critic/trainer_state.pt for PPO's critic when `critic`; runs.save_run_checkpoint wrote its
+    marker last, so a folder a kill left half written has none); else ValueError naming `key`."""
     what = "a checkpoint folder"
     _check_folder(path, key, what)
-    needs = ["trainer_state.pt"] + (["critic/trainer_state.pt"] if critic else [])
+    needs = ["trainer_state.pt", MARKER] + (["critic/trainer_state.pt"] if critic else [])
     return _refuse_missing(path, key, what, [n for n in needs if not os.path.isfile(os.path.join(path, n))])
 
 
 def check_paths(cfg: Config, training: bool = True) -> Config:
     """Every file and folder `cfg` names, checked -> cfg; else ValueError naming the key and the path.
     Envs: the kwargs their class lists in `file_kwargs` (the dataset env's path and test_path). training=True
-    (train.py) also checks what only training reads: model.path ("default" is built on first use) and resume
-    ("auto" finds the run's latest checkpoint itself)."""
+    (train.py) also checks what only training reads: model.path ("default" is built on first use) and resume (a
+    complete checkpoint; "auto" finds the run's latest one itself), and refuses to resume into a run folder whose
+    config.yaml differs (runs.resolve_resume)."""
     for i, spec in enumerate(cfg.envs):
         for name in env_class(spec.name).file_kwargs:
             if spec.kwargs.get(name) is not None:
@@ -463,4 +466,6 @@ def check_paths(cfg: Config, training: bool = True) -> Config:
         check_model_folder(cfg.model.path, "model.path")
     if training and cfg.resume and cfg.resume != "auto":
         check_checkpoint_folder(cfg.resume, "resume", critic=cfg.algo.advantage == "gae")
+    if training and cfg.resume:                   # resuming into a run folder whose config.yaml is another run's
+        resolve_resume(cfg)
     return cfg

@@ -1,7 +1,7 @@
 """bench/kill_resume.py: kill a training run with SIGKILL again and again, relaunch it with resume=auto each time, and
 check that it ends byte for byte where an uninterrupted run ends.
 
-    .venv/bin/python bench/kill_resume.py [--kills 20] [--steps 6] [--seed 0] [--out runs/kill_resume]
+    .venv/bin/python bench/kill_resume.py [--kills 20] [--steps 12] [--seed 0] [--out runs/kill_resume]
 
 A tiny run (the embedded default model at test size, toy math, `checkpoint_every=1`, `log_timings=false`, CPU,
 `threads=1`) is run once uninterrupted. Then the same command with `resume=auto` is started and killed (SIGKILL to its
@@ -60,11 +60,11 @@ def writing_checkpoint(run_dir: str) -> bool:
 
 
 def wait_for(proc: subprocess.Popen, condition, deadline: float) -> bool:
-    """Poll every 5 ms until condition() holds (True), the run exits or the deadline passes (False)."""
+    """Poll every millisecond until condition() holds (True), the run exits or the deadline passes (False)."""
     while time.time() < deadline and proc.poll() is None:
         if condition():
             return True
-        time.sleep(0.005)
+        time.sleep(0.001)
     return False
 
 
@@ -78,27 +78,34 @@ def torture(kills: int, steps: int, seed: int, out: str) -> dict:
     # model is cached by then), or byte-identity after kills would prove nothing
     subprocess.run(command(out, "uninterrupted", steps, seed), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                    check=True, env={**os.environ, "PYTHONPATH": ROOT})
-    t0 = time.time()
-    subprocess.run(command(out, "uninterrupted_again", steps, seed), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                   check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    t0, again = time.time(), os.path.join(out, "uninterrupted_again")
+    proc = launch(command(out, "uninterrupted_again", steps, seed), log)
+    wait_for(proc, lambda: logged_steps(again) > 0, t0 + 3600)    # start-up: imports, model, step 0's eval
+    startup = time.time() - t0
+    if proc.wait() != 0:
+        raise RuntimeError(f"the uninterrupted run failed: see {out}/log.txt")
     run_seconds = time.time() - t0
-    control = same_files(ref_dir, os.path.join(out, "uninterrupted_again"))
-    step_seconds = run_seconds / (steps + 2)
+    control = same_files(ref_dir, again)
+    step_seconds = (run_seconds - startup) / steps
     rng = random.Random(seed)
     record = []
     for k in range(kills):
-        kind = ("random", "checkpoint", "mid-step")[k % 3]
+        kind = ("checkpoint", "mid-step", "random")[k % 3]
+        before = logged_steps(run_dir)             # records kept so far: step 0 is the first
+        if before >= steps + 1:                    # the run is complete: nothing left to kill
+            break
         proc = launch(command(out, "killed", steps, seed, resume="auto"), log)
-        before, start = logged_steps(run_dir), time.time()
-        if kind == "random":
-            wait_for(proc, lambda: False, start + rng.uniform(0, run_seconds))
+        start = time.time()
+        if kind == "random":                       # before the last step of what is left (it resumes where it was)
+            left = max(steps - max(before - 1, 0) - 1, 0.5)
+            wait_for(proc, lambda: False, start + rng.uniform(0, startup + left * step_seconds))
         elif kind == "checkpoint":
             wait_for(proc, lambda: writing_checkpoint(run_dir), start + 4 * run_seconds)
         elif wait_for(proc, lambda: logged_steps(run_dir) > before, start + 4 * run_seconds):   # mid-step
             wait_for(proc, lambda: False, time.time() + rng.uniform(0, step_seconds))
-        if proc.poll() is not None:                # it finished before the moment came: nothing left to kill
+        if proc.poll() is not None:                # it finished before the moment came
             record.append({"kill": k, "kind": kind, "killed": False, "logged_steps": logged_steps(run_dir)})
-            break
+            continue
         partial = writing_checkpoint(run_dir)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -110,8 +117,8 @@ def torture(kills: int, steps: int, seed: int, out: str) -> dict:
     killed = [r for r in record if r["killed"]]
     return {"kills": len(killed), "during_checkpoint_write": sum(r["during_checkpoint_write"] for r in killed),
             "by_kind": {kind: sum(r["kind"] == kind for r in killed) for kind in ("random", "checkpoint", "mid-step")},
-            "identical": same_files(ref_dir, run_dir), "control_identical": control,
-            "uninterrupted_seconds": round(run_seconds, 1), "steps": steps}
+            "identical": same_files(ref_dir, run_dir), "control_identical": control, "launches": len(record) + 1,
+            "uninterrupted_seconds": round(run_seconds, 1), "startup_seconds": round(startup, 1), "steps": steps}
 
 
 def same_files(a_dir: str, b_dir: str) -> dict[str, bool]:
@@ -126,7 +133,7 @@ def same_files(a_dir: str, b_dir: str) -> dict[str, bool]:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/kill_resume")
     args = p.parse_args()

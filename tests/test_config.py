@@ -149,14 +149,16 @@ def test_check_model_folder_reads_a_sharded_index(tmp_path):
 
 
 def test_check_checkpoint_folder_and_file(tmp_path):
-    ckpt = hf_folder(tmp_path / "ckpt", *MODEL_FILES, "trainer_state.pt")
+    ckpt = hf_folder(tmp_path / "ckpt", *MODEL_FILES, "trainer_state.pt", "checkpoint.json")
     assert check_checkpoint_folder(ckpt, "resume") == ckpt
     with pytest.raises(ValueError, match=r"resume='.*' is not a checkpoint folder: it has no critic/trainer_state.pt"):
         check_checkpoint_folder(ckpt, "resume", critic=True)          # PPO resumes its critic too
     hf_folder(ckpt, "critic/trainer_state.pt")
     assert check_checkpoint_folder(ckpt, "resume", critic=True) == ckpt
-    with pytest.raises(ValueError, match="it has no trainer_state.pt$"):
+    with pytest.raises(ValueError, match="it has no trainer_state.pt or checkpoint.json$"):
         check_checkpoint_folder(hf_folder(tmp_path / "model", *MODEL_FILES), "resume")
+    with pytest.raises(ValueError, match="it has no checkpoint.json$"):                   # a write a kill cut short
+        check_checkpoint_folder(hf_folder(tmp_path / "cut", *MODEL_FILES, "trainer_state.pt"), "resume")
     with pytest.raises(ValueError, match=r"^--config '.*': no such file$"):
         check_file(str(tmp_path / "nope.yaml"), "--config")
     with pytest.raises(ValueError, match=r"^--config '.*': a folder, not a file$"):
@@ -165,8 +167,11 @@ def test_check_checkpoint_folder_and_file(tmp_path):
 
 def test_check_paths(tmp_path):
     model = hf_folder(tmp_path / "model", *MODEL_FILES)
-    ckpt = hf_folder(tmp_path / "ckpt", "trainer_state.pt")
-    ok = ["envs.0.name=dataset", "envs.0.kwargs.path=data/sample_gsm8k.jsonl", f"model.path={model}", f"resume={ckpt}"]
+    ckpt = hf_folder(tmp_path / "ckpt", "trainer_state.pt", "checkpoint.json")
+    with open(os.path.join(ckpt, "checkpoint.json"), "w") as f:
+        json.dump({"rl_step": 2}, f)
+    ok = ["envs.0.name=dataset", "envs.0.kwargs.path=data/sample_gsm8k.jsonl", f"model.path={model}", f"resume={ckpt}",
+          f"out_dir={tmp_path}/runs"]
     cfg = load_config(None, ok)
     assert check_paths(cfg) is cfg
     assert check_paths(load_config(None, ok[:3] + ["resume=auto"]))            # another part of the code resolves it
@@ -175,7 +180,7 @@ def test_check_paths(tmp_path):
         ("envs.0.kwargs.path=data/nope.jsonl", "envs.0.kwargs.path='data/nope.jsonl': no such file"),
         ("envs.0.kwargs.test_path=data", "envs.0.kwargs.test_path='data': a folder, not a file"),
         (f"model.path={tmp_path}/nope", f"model.path='{tmp_path}/nope': no such folder"),
-        (f"resume={model}", f"resume={model!r} is not a checkpoint folder: it has no trainer_state.pt"),
+        (f"resume={model}", f"resume={model!r} is not a checkpoint folder: it has no trainer_state.pt or checkpoint.json"),
         ("envs.0.name=datset", "unknown env 'datset'"),
     ]:
         with pytest.raises(ValueError) as e:
@@ -204,7 +209,8 @@ def bad_starts(tmp_path):
         ("train", ["model.path=/nonexistent"], "model.path='/nonexistent': no such folder"),
         ("train", [f"model.path={no_tok}"], f"model.path={no_tok!r} is not a Hugging Face model folder: it has no "
                                             "tokenizer.json"),
-        ("train", [f"resume={model}"], f"resume={model!r} is not a checkpoint folder: it has no trainer_state.pt"),
+        ("train", [f"resume={model}"], f"resume={model!r} is not a checkpoint folder: it has no trainer_state.pt or "
+                                       "checkpoint.json"),
         ("train", ["resume=runs/nope"], "resume='runs/nope': no such folder"),
         ("train", ["--config", "configs/dataset.yaml", "envs.0.kwargs.path=data/nope.jsonl"],
          "envs.0.kwargs.path='data/nope.jsonl': no such file"),

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_killed_and_resumed_run_ends_byte_identical(tmp_path):
-    out = subprocess.run([sys.executable, "bench/kill_resume.py", "--kills", "3", "--steps", "4",
+    out = subprocess.run([sys.executable, "bench/kill_resume.py", "--kills", "3", "--steps", "8",
                           "--out", str(tmp_path / "kr")], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{\n"):])

@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_distributed import ROOT, torchrun  # noqa: E402
 from test_train import TINY, tiny  # noqa: E402,F401  (the session's tiny default model, built once)
 
-EXTRA = ["eval_every=100", "threads=1", "learner.micro_batch_size=3", "learner.entropy_coef=0.01"]
+# mini_batches=2: an RL step is two optimizer steps, so the resume below must go by the RL step
+EXTRA = ["eval_every=100", "threads=1", "learner.micro_batch_size=3", "learner.entropy_coef=0.01",
+         "learner.mini_batches=2"]
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")                 # the CLI next to this Python
 
 
