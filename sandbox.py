@@ -60,13 +60,24 @@ SAFE_BUILTINS = ("abs", "min", "max", "sum", "round", "int", "float", "str", "le
 MAX_CODE_CHARS = 4000  # longer snippets are refused before parsing (the parser is the first thing exposed)
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_python(source: str, mode: str = "exec") -> ast.AST:
+    """ast.parse, one thread at a time. CPython 3.11 counts the AST constructor's recursion depth in state
+    shared by the whole interpreter, so two threads parsing at once (graders in a thread pool) can fail with
+    "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905; seen in CI)."""
+    with _PARSE_LOCK:
+        return ast.parse(source, mode=mode)
+
+
 def _parse_source(code: str, max_chars: int, what: str):
     """-> (ast tree, None), or (None, why it cannot be parsed). The parser is the first thing model-written
     code reaches, so length is bounded before it. Both checks use it, and both children get its source."""
     if len(code) > max_chars:
         return None, f"{what} longer than {max_chars} characters"
     try:
-        return ast.parse(code), None
+        return parse_python(code), None
     except SyntaxError as e:
         return None, f"SyntaxError: {e.msg} (line {e.lineno})"
     except ValueError as e:  # null bytes
@@ -117,7 +128,7 @@ def _run_snippet(code: str, max_chars: int) -> tuple[str, str | None]:
     namespace = {"__builtins__": {n: getattr(builtins, n) for n in SAFE_BUILTINS}, "math": math}
     printed = io.StringIO()
     try:
-        tree = ast.parse(code)
+        tree = parse_python(code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         with contextlib.redirect_stdout(printed):
             exec(compile(tree, "<python_eval>", "exec"), namespace)
@@ -410,7 +421,7 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
     refusal = check_program(code, max_code_chars)
     if refusal is not None:
         return "Error: " + refusal, "refused"
-    tree = ast.parse(code)
+    tree = parse_python(code)
     if tree.body and isinstance(tree.body[-1], ast.Expr):  # keep the last value: `x = 1\nx + 1` shows 2
         last = tree.body[-1]  # (copy_location, not fix_missing_locations, which recurses over the whole tree)
         target = ast.copy_location(ast.Name("__result__", ast.Store()), last)
