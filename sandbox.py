@@ -66,7 +66,8 @@ _PARSE_LOCK = threading.Lock()
 def parse_python(source: str, mode: str = "exec") -> ast.AST:
     """ast.parse, one thread at a time. CPython 3.11 counts the AST constructor's recursion depth in state
     shared by the whole interpreter, so two threads parsing at once (graders in a thread pool) can fail with
-    "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905; seen in CI)."""
+    "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905; seen in CI). Every parse in
+    this process takes the lock; the single-threaded children call ast.parse (they get their source alone)."""
     with _PARSE_LOCK:
         return ast.parse(source, mode=mode)
 
@@ -77,7 +78,7 @@ def _parse_source(code: str, max_chars: int, what: str):
     if len(code) > max_chars:
         return None, f"{what} longer than {max_chars} characters"
     try:
-        return parse_python(code), None
+        return ast.parse(code), None
     except SyntaxError as e:
         return None, f"SyntaxError: {e.msg} (line {e.lineno})"
     except ValueError as e:  # null bytes
@@ -128,7 +129,7 @@ def _run_snippet(code: str, max_chars: int) -> tuple[str, str | None]:
     namespace = {"__builtins__": {n: getattr(builtins, n) for n in SAFE_BUILTINS}, "math": math}
     printed = io.StringIO()
     try:
-        tree = parse_python(code)
+        tree = ast.parse(code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         with contextlib.redirect_stdout(printed):
             exec(compile(tree, "<python_eval>", "exec"), namespace)
@@ -201,7 +202,8 @@ class PythonSandbox:
     def run(self, code: str, timeout: float | None = None) -> tuple[str, str | None]:
         """Run `code` -> (text, error kind): kind is None, "refused", "error" or "timeout"."""
         timeout = self.timeout if timeout is None else timeout
-        refusal = check_code(code)  # refuse early, without a round trip (the worker checks again)
+        with _PARSE_LOCK:  # this parse is in the parent, where threads run tools side by side (parse_python)
+            refusal = check_code(code)  # refuse early, without a round trip (the worker checks again)
         if refusal is not None:
             return "Error: " + refusal, "refused"
         with self._lock:
@@ -421,7 +423,7 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
     refusal = check_program(code, max_code_chars)
     if refusal is not None:
         return "Error: " + refusal, "refused"
-    tree = parse_python(code)
+    tree = ast.parse(code)
     if tree.body and isinstance(tree.body[-1], ast.Expr):  # keep the last value: `x = 1\nx + 1` shows 2
         last = tree.body[-1]  # (copy_location, not fix_missing_locations, which recurses over the whole tree)
         target = ast.copy_location(ast.Name("__result__", ast.Store()), last)
@@ -636,7 +638,8 @@ def execute_python(code: str, timeout_s: float = 2.0, limits: ExecLimits = ExecL
     `_policy=False` turns off layers 2-3 (tests only: it shows what the process layer holds alone).
     """
     if _policy:
-        refusal = check_program(code, limits.max_code_chars)  # refuse early, without a process
+        with _PARSE_LOCK:  # this parse is in the parent, where threads run graders side by side (parse_python)
+            refusal = check_program(code, limits.max_code_chars)  # refuse early, without a process
         if refusal is not None:
             return "Error: " + refusal, "refused"
     child_limits = {"cpu_seconds": math.ceil(timeout_s) + 1, "memory_bytes": limits.memory_bytes,

@@ -538,10 +538,12 @@ def test_parsing_from_many_threads_at_once_never_raises_system_error():
                        for i in range(200))
     errors = []
 
-    def parse_many(_):
+    def parse_many(_):  # the three ways this process parses: parse_python, and the two refuse-early checks
         try:
-            for _ in range(10):
+            for _ in range(4):
                 sandbox.parse_python(source)
+                assert execute_python(source + "\nimport subprocess\n")[1] == "refused"  # parsed, then refused
+                assert sandbox.PythonSandbox().run(source[:3000] + "\nimport os\n")[1] == "refused"
         except SystemError as e:
             errors.append(str(e))
 
