@@ -131,6 +131,16 @@ class SFTConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation beyond one episode per task (eval.py; train.py's evals). The held-out tasks, their
+    temperature and seed are the top-level eval_size (per env), eval_temperature and eval_seed."""
+    n_samples: int = 1               # episodes per held-out task, each with its own seed (mix_seed(eval_seed, task,
+                                     # sample)); with n > 1 set eval_temperature > 0, or greedy samples mostly agree
+    pass_k: list[int] = field(default_factory=lambda: [1])  # report eval/<env>/pass@k for each k (1 <= k <= n_samples):
+                                     # the chance that at least one of k samples succeeds (eval.pass_at_k)
+
+
+@dataclass
 class Config:
     seed: int = 0                    # seeds task sampling, the engine and the learner (all derived per step)
     run_name: str = "toy_math"       # the run folder is out_dir/run_name
@@ -139,6 +149,7 @@ class Config:
     eval_every: int = 10             # held-out eval every k steps (and always at step 0 and at the end)
     eval_temperature: float = 0.0    # sampling temperature of held-out evals (0: greedy)
     eval_seed: int = 1234            # picks the held-out tasks, the same for every run seed so runs compare
+    eval: EvalConfig = field(default_factory=EvalConfig)  # samples per held-out task and pass@k
     checkpoint_every: int = 0        # save a checkpoint every k steps (0: only at the end)
     keep_checkpoints: int = 0        # keep the newest k of checkpoints/ (0: all); older ones go once a new one is in place
     resume: str = ""                 # a checkpoint folder to resume from (exact: weights, optimizer, RNG, steps), or
@@ -301,6 +312,12 @@ def validate(cfg: Config) -> Config:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")
     validate_ray(cfg)
+    if cfg.eval.n_samples < 1:
+        raise ValueError(f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)")
+    if any(not 1 <= k <= cfg.eval.n_samples for k in cfg.eval.pass_k):
+        raise ValueError(f"eval.pass_k={cfg.eval.pass_k} needs every k between 1 and eval.n_samples="
+                         f"{cfg.eval.n_samples}: pass@k draws k of a task's n samples (e.g. eval.n_samples=10 "
+                         "eval.pass_k=[1,5,10])")
     if not cfg.envs:
         raise ValueError("envs is empty: name at least one environment")
     if cfg.keep_checkpoints < 0 or cfg.checkpoint_every < 0:

@@ -188,11 +188,13 @@ def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, 
 
 
 def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -> dict:
-    """One episode per held-out task (greedy unless eval_temperature), dumped to episodes_step<step>.jsonl."""
+    """eval.n_samples episodes per held-out task (greedy unless eval_temperature) -> the eval/... metrics (pass@k
+    among them); the episodes dumped to episodes_step<step>.jsonl."""
     params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
     t0 = time.time()
-    metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed)
+    metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,
+                              tuple(cfg.eval.pass_k))
     dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
     return {**metrics, "perf/eval_seconds": time.time() - t0}
 

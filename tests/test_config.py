@@ -73,6 +73,15 @@ def test_choices_are_checked_at_load():
         load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"])
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.sync_max_logprob_diff=0.2"])
     assert cfg.rollout.sync_max_logprob_diff == 0.2 and Config().rollout.sync_max_logprob_diff is None
+    with pytest.raises(ValueError, match=r"eval.pass_k=\[1, 5\] needs every k between 1 and eval.n_samples=4"):
+        load_config(None, ["eval.n_samples=4", "eval.pass_k=[1,5]"])
+    with pytest.raises(ValueError, match="eval.n_samples=0 must be >= 1"):
+        load_config(None, ["eval.n_samples=0", "eval.pass_k=[]"])
+    with pytest.raises(TypeError, match=r"eval.pass_k\[0\]"):
+        load_config(None, ["eval.pass_k=[one]"])
+    cfg = load_config(None, ["eval.n_samples=10", "eval.pass_k=[1,5,10]"])
+    assert (cfg.eval.n_samples, cfg.eval.pass_k) == (10, [1, 5, 10])
+    assert (Config().eval.n_samples, Config().eval.pass_k) == (1, [1])     # one episode per task, as always
 
 
 def test_algo_presets_set_defaults_that_explicit_keys_override():
@@ -221,6 +230,9 @@ def bad_starts(tmp_path):
         ("eval", ["--checkpoint", no_tok, "--config", "configs/toy_math.yaml"],
          f"--checkpoint {no_tok!r} is not a Hugging Face model folder: it has no tokenizer.json"),
         ("eval", ["--policy", "expert", "--config", "configs/nope.yaml"], "--config 'configs/nope.yaml': no such file"),
+        ("eval", ["--policy", "random", "eval.n_samples=4", "eval.pass_k=[1,2,8]"],
+         "eval.pass_k=[1, 2, 8] needs every k between 1 and eval.n_samples=4: pass@k draws k of a task's n samples "
+         "(e.g. eval.n_samples=10 eval.pass_k=[1,5,10])"),
         ("eval", ["--policy", "expert", "--config", "configs/dataset.yaml", "envs.0.kwargs.path=nope.jsonl"],
          "envs.0.kwargs.path='nope.jsonl': no such file"),
     ]

@@ -1,16 +1,23 @@
 """Tests for eval.py and the env extension points it relies on: scripted expert/random policies, env
-metrics averaged per env, the training-only judge hook, tasks as JSON lines, lazy env entry points.
+metrics averaged per env, the training-only judge hook, pass@k (the estimator against the closed form and brute
+force, n samples per task with their own seeds), tasks as JSON lines, lazy env entry points.
 
 The loop is driven by test_agent's scripted engine and tiny `calc` env, so every reward is known."""
+
+import itertools
+import math
+from dataclasses import dataclass
+from fractions import Fraction
 
 import pytest
 
 import env as env_module
 from agent import AgentConfig, LocalRollouts, run_episodes
 from rollout import SamplingParams
-from env import make_env, read_tasks, write_tasks
-from eval import evaluate, expert_actions, play_scripted, scripted_metrics
-from test_agent import CalcEnv, ScriptedEngine, calc_task, call_text, tok  # noqa: F401 (tok is a fixture)
+from env import make_env, mix_seed, read_tasks, write_tasks
+from eval import (episode_success, evaluate, expert_actions, pass_at_k, pass_metrics, play_scripted,
+                  scripted_metrics)
+from test_agent import CalcEnv, CalcState, ScriptedEngine, calc_task, call_text, tok  # noqa: F401 (tok: a fixture)
 
 
 class JudgedCalcEnv(CalcEnv):
@@ -118,3 +125,105 @@ def test_entry_point_errors_are_clear(monkeypatch):
         make_env("nowhere_env")
     with pytest.raises(ValueError, match="available: .*toy_math"):
         make_env("toy_mth")
+
+
+# ----------------------------------------------------------------------------------------------------
+# pass@k
+
+def closed_form(n, c, k):
+    """Chen et al. 2021, eq. 1, with exact integers: 1 - C(n - c, k) / C(n, k) (math.comb is 0 when n - c < k)."""
+    return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+
+
+def brute_force(n, c, k):
+    """The fraction of the k-subsets of n samples (the first c correct) that hold at least one correct sample."""
+    subsets = list(itertools.combinations(range(n), k))
+    return Fraction(sum(any(i < c for i in s) for s in subsets), len(subsets))
+
+
+def test_pass_at_k_against_the_closed_form_and_brute_force():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = brute_force(n, c, k)
+                assert closed_form(n, c, k) == exact, (n, c, k)
+                # the product has at most n factors, each rounded once: a few ulps of 1.0 at most
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=0, abs=1e-12), (n, c, k)
+    # far beyond what the binomials survive in floats (C(1000, 500) ~ 1e299), the product still agrees
+    for n, c, k in [(1000, 10, 100), (1000, 1, 500), (200, 37, 10), (5000, 2, 2500)]:
+        assert pass_at_k(n, c, k) == pytest.approx(float(closed_form(n, c, k)), rel=1e-9)
+
+
+def test_pass_at_k_edge_cases():
+    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 0, 10) == 0.0        # nothing correct: never passes
+    assert pass_at_k(10, 10, 1) == 1.0 and pass_at_k(10, 10, 10) == 1.0      # everything correct
+    assert pass_at_k(10, 3, 8) == 1.0 and pass_at_k(10, 1, 10) == 1.0        # n - c < k: every k-subset has one
+    assert pass_at_k(10, 3, 7) == pytest.approx(1 - 1 / math.comb(10, 7))    # n - c == k: one subset misses
+    assert pass_at_k(7, 3, 1) == pytest.approx(3 / 7)                        # pass@1 is the success rate
+    for n, c, k in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
+        with pytest.raises(ValueError, match="pass@k"):
+            pass_at_k(n, c, k)
+
+
+def test_pass_metrics_average_over_tasks_and_success_rule():
+    outcomes = [[True, False, False, False], [False] * 4, [True] * 4]
+    m = pass_metrics(outcomes, (1, 2, 4))
+    assert m["pass@1"] == pytest.approx((1 / 4 + 0 + 1) / 3)
+    assert m["pass@2"] == pytest.approx((float(closed_form(4, 1, 2)) + 0 + 1) / 3)
+    assert m["pass@4"] == pytest.approx(2 / 3)
+    # success: the env's "success" metric where it reports one (a partial reward is not a success), else reward >= 1
+    assert not episode_success(0.75, {"success": 0.0}) and episode_success(1.0, {"success": 1.0})
+    assert not episode_success(1.0, {"success": 0.0})
+    assert episode_success(1.0, {}) and episode_success(1.1, {"correct": 1.0}) and not episode_success(0.1, {})
+
+
+@dataclass(frozen=True)
+class SeededState(CalcState):
+    seed: int = 0
+
+
+class SeededCalcEnv(CalcEnv):
+    """CalcEnv whose right answer only scores when the episode's reset seed is not a multiple of 3: the n samples
+    of one task then differ, and which of them succeed is known from mix_seed alone."""
+    def reset(self, task, seed):
+        state, msgs = super().reset(task, seed)
+        return SeededState(state.task, seed=seed), msgs
+
+    def step(self, state, action):
+        state, obs, reward, done, info = super().step(state, action)
+        return state, obs, reward * (state.seed % 3 != 0), done, info
+
+
+def test_evaluate_plays_n_samples_per_task_with_their_own_seeds(tok):
+    tasks = [calc_task(i, i, 2) for i in range(6)]
+    engine = ScriptedEngine(tok, script_for(tasks, wrong={tasks[5].prompt}))
+    cfg, params, n = AgentConfig(n_samples=8, max_turns=3, max_total_tokens=1024), SamplingParams(max_tokens=64), 5
+    rollouts = LocalRollouts(engine, {"calc": SeededCalcEnv()}, tok, cfg)
+    m, trajs = evaluate(rollouts, {"calc": tasks}, cfg, params, seed=7, n_samples=n, pass_k=(1, 2, 5))
+    assert [(t.group, t.sample) for t in trajs] == [(g, s) for g in range(6) for s in range(n)]   # group-major
+    # sample s of task g was reset with mix_seed(seed, g, s): its reward says which
+    wins = [[g != 5 and mix_seed(7, g, s) % 3 != 0 for s in range(n)] for g in range(6)]
+    assert [t.reward == 1.0 for t in trajs] == [w for row in wins for w in row]
+    assert 0 < sum(map(sum, wins)) < 5 * n                                  # the seeds do split the samples
+    for k in (1, 2, 5):
+        expected = sum(float(closed_form(n, sum(row), k)) for row in wins) / 6
+        assert m[f"eval/calc/pass@{k}"] == pytest.approx(expected) and m[f"eval/pass@{k}"] == m[f"eval/calc/pass@{k}"]
+    assert m["eval/calc/mean@5"] == pytest.approx(sum(map(sum, wins)) / 30) == m["eval/calc/accuracy"]
+    assert m["eval/calc/pass@1"] <= m["eval/calc/pass@2"] <= m["eval/calc/pass@5"]
+    # n_samples=1 (the default) plays the episodes one per task always played: sample 0, seeded mix_seed(seed, g, 0)
+    one, trajs1 = evaluate(rollouts, {"calc": tasks}, cfg, params, seed=7)
+    assert [t.token_ids for t in trajs1] == [t.token_ids for t in trajs if t.sample == 0]
+    assert one["eval/calc/pass@1"] == one["eval/calc/accuracy"] == one["eval/calc/mean@1"]
+
+
+def test_scripted_policies_play_n_samples():
+    env = make_env("toy_math")
+    tasks = env.sample_tasks("test", 16, seed=3)
+    rand = play_scripted(env, tasks, "random", seed=0, max_turns=4, n_samples=4)
+    assert [(e["group"], e["sample"]) for e in rand] == [(g, s) for g in range(16) for s in range(4)]
+    assert [e for e in rand if e["sample"] == 0] == play_scripted(env, tasks, "random", seed=0, max_turns=4)
+    m = scripted_metrics(rand, "random/toy_math", 4, (1, 4))
+    assert m["random/toy_math/pass@1"] == pytest.approx(m["random/toy_math/mean@4"])   # toy_math's reward is 0/1
+    assert m["random/toy_math/pass@1"] <= m["random/toy_math/pass@4"]
+    expert = scripted_metrics(play_scripted(env, tasks, "expert", seed=0, max_turns=4, n_samples=3), "e", 3, (1, 3))
+    assert expert["e/pass@1"] == expert["e/pass@3"] == expert["e/mean@3"] == 1.0

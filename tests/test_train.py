@@ -152,6 +152,42 @@ def test_eval_cli_on_a_checkpoint(tiny, tmp_path):
         assert k in metrics
 
 
+def check_pass_at_k(metrics: dict, prefix: str, n: int, ks: tuple):
+    """pass@k of each k, mean@n, in [0, 1] and ordered as they must be: pass@k grows with k, and on an env whose
+    reward is 0 or 1 (toy math) pass@1 is the mean reward."""
+    passes = [metrics[f"{prefix}pass@{k}"] for k in ks]
+    assert all(0.0 <= p <= 1.0 for p in passes) and passes == sorted(passes), passes
+    assert metrics[f"{prefix}pass@1"] == pytest.approx(metrics[f"{prefix}mean@{n}"]) == metrics[f"{prefix}accuracy"]
+
+
+def test_pass_at_k_through_train_and_eval(tiny, tmp_path, capsys):
+    """eval.n_samples=4 eval.pass_k=[1,2,4]: train.py's evals and eval.py play 4 sampled episodes per held-out task
+    and report pass@k; eval.py on the final checkpoint repeats the run's last eval exactly."""
+    import eval as eval_py
+    extra = ["eval.n_samples=4", "eval.pass_k=[1,2,4]", "eval_temperature=1.0"]
+    summary = main(tiny("steps=1", "eval_every=100", "run_name=pass_k", *extra))
+    lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    for line in lines:                                                      # step 0 and the final eval
+        check_pass_at_k(line, "eval/toy_math/", 4, (1, 2, 4))
+        assert line["eval/pass@4"] == line["eval/toy_math/pass@4"]          # one env: the mean over envs is it
+    episodes = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "episodes_step1.jsonl"))]
+    assert [e["sample"] for e in episodes] == [0, 1, 2, 3] * 8              # 8 held-out tasks x 4 samples
+    assert len({e["task_id"] for e in episodes}) == 8
+
+    out = tmp_path / "episodes.jsonl"
+    metrics = eval_py.main(["--checkpoint", os.path.join(summary["run_dir"], "final"), "--config",
+                            "configs/toy_math.yaml", "--out", str(out), "envs.0.eval_size=8", "rollout.max_tokens=40",
+                            "rollout.agent.max_total_tokens=768", *extra])
+    assert len(open(out).readlines()) == 32
+    for k in ("pass@1", "pass@2", "pass@4", "mean@4"):
+        assert metrics[f"eval/toy_math/{k}"] == pytest.approx(lines[-1][f"eval/toy_math/{k}"])
+    printed = capsys.readouterr().out
+    assert "eval/toy_math/pass@4" in printed and "eval/toy_math/mean@4" in printed
+    scripted = eval_py.main(["--policy", "random", "--config", "configs/toy_math.yaml", "envs.0.eval_size=8", *extra])
+    check_pass_at_k(scripted, "random/toy_math/", 4, (1, 2, 4))
+    assert "random/toy_math/pass@2" in capsys.readouterr().out
+
+
 def test_async_one_step_off_policy_and_its_exact_resume(tiny):
     """rollout.async_rollouts: each batch after the first was sampled by the weights one update old
     (rollout/staleness 1), the update corrects with truncated IS, and a run resumed from a checkpoint (which
