@@ -405,9 +405,11 @@ class OpenAIEngine:
     with a growing pause, then raises RuntimeError with the server's message. Standard library only.
 
     Request fields: prompt (ids), n, temperature, top_p, max_tokens, seed, stop_token_ids, logprobs=0 (the
-    sampled token's log-prob), return_token_ids and return_tokens_as_token_ids (ids, never text), and
-    skip_special_tokens=false. Each prompt gets its own seed (row_seeds of params.seed), so a call is
-    reproducible when the server honours seeds.
+    sampled token's log-prob), return_token_ids and return_tokens_as_token_ids (ids, never text),
+    skip_special_tokens=false, and ignore_eos=true: like every engine, generation stops only at the loop's stop
+    tokens, never at the EOS ids of the folder's generation_config.json (which `vllm serve` stops at by default).
+    Each prompt gets its own seed (row_seeds of params.seed), so a call is reproducible when the server honours
+    seeds.
 
     Log-probs: vLLM reports raw log-probs (before temperature) unless started with
     `--logprobs-mode processed_logprobs`; at temperature 1 the two are the same. Weights cannot be pushed
@@ -435,7 +437,7 @@ class OpenAIEngine:
         body = {"model": self.model, "prompt": list(prompt), "n": params.n, "temperature": params.temperature,
                 "top_p": params.top_p, "max_tokens": params.max_tokens, "logprobs": 0,
                 "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
-                "return_token_ids": True, "return_tokens_as_token_ids": True}
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
         if seed is not None:
             body["seed"] = seed
         reply = self._post(body)
