@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 from dataclasses import replace
 
 from agent import AgentConfig, LocalRollouts, Trajectory
@@ -181,6 +182,12 @@ def dump_episodes(trajs: list[Trajectory], path: str) -> None:
             }, ensure_ascii=False, default=str) + "\n")
 
 
+def print_metrics(metrics: dict[str, float]) -> None:
+    """One line per metric, by name, numbers in numeric order (pass@5 before pass@10)."""
+    for k in sorted(metrics, key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)]):
+        print(f"{k:40s} {metrics[k]:.4f}")
+
+
 def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
     from tokenizers import Tokenizer
@@ -215,8 +222,7 @@ def main(argv=None):
                                      cfg.eval.n_samples)
             metrics.update(scripted_metrics(episodes, f"{args.policy}/{name}", cfg.eval.n_samples,
                                             tuple(cfg.eval.pass_k)))
-        for k, v in sorted(metrics.items()):
-            print(f"{k:40s} {v:.4f}")
+        print_metrics(metrics)
         return metrics
 
     # the engine loads the checkpoint folder (torch, vllm) or talks to a server that serves it (openai: the folder
@@ -231,8 +237,7 @@ def main(argv=None):
                               tuple(cfg.eval.pass_k))
     out = args.out or os.path.join(args.checkpoint, "eval_episodes.jsonl")
     dump_episodes(trajs, out)
-    for k, v in sorted(metrics.items()):
-        print(f"{k:40s} {v:.4f}")
+    print_metrics(metrics)
     print(f"episodes written to {out}")
     return metrics
 
