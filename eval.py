@@ -36,7 +36,8 @@ def evaluate(rollouts, tasks: dict[str, list[Task]], agent_cfg: AgentConfig, par
              n_samples: int = 1, pass_k: tuple[int, ...] = (1,)) -> tuple[dict[str, float], list[Trajectory]]:
     """n_samples episodes per held-out task, played by `rollouts` (agent.LocalRollouts, or cluster.RayRollouts) with
     no judge -> (metrics 'eval/...', trajectories group-major). Sample s of task g is reset with the seed
-    mix_seed(seed, g, s) (agent.init_episodes), so n_samples=1 plays exactly what one episode per task always did.
+    mix_seed(seed, g, s) (agent.init_episodes; Ray workers seed each chunk of tasks alike, cluster.dispatch), so
+    n_samples=1 plays exactly what one episode per task always did.
 
     eval/accuracy is the mean of the per-env accuracies, so a small held-out set counts as much as a big one."""
     all_tasks = [t for name in tasks for t in tasks[name]]
