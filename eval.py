@@ -5,7 +5,7 @@
     python eval.py --checkpoint DIR --config ... rollout.engine=openai rollout.base_url=http://host:8000/v1
                                                           # a model served by `vllm serve DIR` (DIR: its tokenizer)
     python eval.py --checkpoint DIR --config ... rollout.engine=vllm    # vLLM in this process (pip install vllm)
-    python eval.py ... eval.n_samples=10 eval.pass_k=[1,5,10] eval_temperature=0.8       # pass@k from 10 samples
+    python eval.py ... eval.n_samples=10 'eval.pass_k=[1,5,10]' eval_temperature=0.8     # pass@k from 10 samples
 
 Runs each env's held-out tasks eval.n_samples times (once by default) through the same rollout source as
 training (greedy by default, `eval_temperature`), and reports per env and overall: accuracy (mean reward over

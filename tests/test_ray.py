@@ -175,7 +175,8 @@ def test_train_py_with_ray_rollout_workers(cluster, tiny):
     """2 steps with 2 more rollout workers on the module's cluster (train.py joins a running Ray)."""
     from train import main
     cfg = tiny("steps=2", "eval_every=100", "run_name=ray2", "ray.rollout_workers=2", "ray.cpus_per_worker=0.25",
-               "ray.dispatcher=async_batch_bounded", "ray.chunk_groups=2", "learner.entropy_coef=0.01")
+               "ray.dispatcher=async_batch_bounded", "ray.chunk_groups=2", "learner.entropy_coef=0.01",
+               "eval.n_samples=2", "eval.pass_k=[1,2]", "eval_temperature=1.0")   # evals on the workers too
     summary = main(cfg)
     lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
     assert [l["step"] for l in lines] == [0, 1, 2]
@@ -185,6 +186,11 @@ def test_train_py_with_ray_rollout_workers(cluster, tiny):
         assert l["dispatch/push_seconds"] > 0
         assert l["sync/logprob_abs_diff"] < 1e-3                     # worker 0 runs the learner's new weights
     assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2]
+    for l in (lines[0], lines[2]):                                   # pass@k from 2 samples of each held-out task
+        assert l["eval/toy_math/pass@1"] == pytest.approx(l["eval/toy_math/mean@2"])   # toy math's reward is 0/1
+        assert l["eval/toy_math/pass@1"] <= l["eval/toy_math/pass@2"]
+    samples = [json.loads(l)["sample"] for l in open(os.path.join(summary["run_dir"], "episodes_step2.jsonl"))]
+    assert samples == [0, 1] * 8
     assert os.path.exists(os.path.join(summary["run_dir"], "final", "model.safetensors"))
 
 
