@@ -9,6 +9,8 @@ How one RL update works (train.py says where the batch and its old log-probs com
   1. old log-probs: the batch carries the learner's log-probs before the update (compute_logprobs, no
      grad). With one optimizer step per batch the PPO ratio is then exactly 1 on the first (only) pass: the
      loss reduces to the on-policy policy gradient, and clipping acts only from the second mini-batch on.
+     In that case (old_logprobs_needed is False) the extra scoring pass is skipped: the batch says
+     old_from_update and the update takes pi_old = its own log-probs, detached (the same numbers).
   2. split the batch into `mini_batches` optimizer steps (shuffled with the learner's own RNG), repeated
      for `ppo_epochs`; each mini-batch is split again into micro-batches whose gradients accumulate.
   3. micro-batch split invariance: each micro-batch's loss is weighted by its share of the global
@@ -92,10 +94,13 @@ class TrainBatch:
     advantages: torch.Tensor              # (B, T) float, advantage of each token (0 where mask is 0)
     old_logprobs: torch.Tensor | None = None  # (B, T) pi_old, the ratio's denominator: the learner's log-probs of the
                                           # batch before this update (compute_logprobs); required by train_step
+                                          # unless old_from_update
     engine_logprobs: torch.Tensor | None = None  # (B, T) the log-probs of the engine that sampled the tokens (the
                                           # behaviour policy); used only when cfg.tis_cap > 0
     ref_logprobs: torch.Tensor | None = None  # (B, T) the frozen reference policy's log-probs; used only when
                                           # cfg.kl_coef > 0 (the KL term of the loss)
+    old_from_update: bool = False         # no old_logprobs: the update is exactly on-policy (old_logprobs_needed is
+                                          # False) and takes pi_old = its own log-probs, detached
 
 
 def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_model: Transformer | None = None) -> LearnerState:
@@ -107,6 +112,17 @@ def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_mode
         ref_model.requires_grad_(False).eval()
     rng = torch.Generator().manual_seed(seed)
     return LearnerState(model=model, optimizer=opt, optimizer_step=0, rng=rng, ref_model=ref_model)
+
+
+def old_logprobs_needed(cfg: LearnerConfig) -> bool:
+    """Whether the update needs pi_old scored before it (compute_logprobs: one extra forward pass over the batch).
+    It does not when the update is exactly on-policy: one optimizer step per batch (one mini-batch, one epoch), so
+    every micro-batch's forward runs on the very weights pi_old stands for and pi_old = pi.detach(), token for token
+    (TRL skips the pass in the same case); no dropout (LoRA's), so the training forward is the scoring forward; and
+    no correction that reads pi_old before the update (tis_cap's importance weights, which async rollouts need).
+    The caller adds its own needs (train.py: a KL in the reward reads pi_old)."""
+    dropout = cfg.lora_rank > 0 and cfg.lora_dropout > 0
+    return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or cfg.tis_cap > 0 or dropout
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -351,14 +367,18 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
 
 def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tuple[LearnerState, dict]:
     """One RL update on a batch of trajectories -> (the state after it, metrics namespaced 'train/...').
-    batch.old_logprobs is required (the caller scored the batch before any update: train.compute_advantages);
+    batch.old_logprobs is required (the caller scored the batch before any update: train.compute_advantages),
+    unless batch.old_from_update and the update is exactly on-policy (old_logprobs_needed(cfg) is False);
     batch.ref_logprobs too when cfg.kl_coef > 0."""
     model = state.model
     dev = _device(model)
     mask = batch.loss_mask.float()                                            # (B, T)
     old = batch.old_logprobs
-    if old is None:
+    if old is None and not batch.old_from_update:
         raise ValueError("train_step needs batch.old_logprobs: score the batch first (compute_logprobs)")
+    if old is None and old_logprobs_needed(cfg):
+        raise ValueError("batch.old_from_update holds only for an exactly on-policy update (one mini-batch, one "
+                         "epoch, no tis_cap, no dropout): score the batch first (compute_logprobs)")
     tis, tis_metrics = None, {}
     if cfg.tis_cap > 0:
         if batch.engine_logprobs is None:
@@ -382,7 +402,9 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
                 ids, m = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) columns past L are padding
                 logp, ent = model.token_logprobs(ids, temperature=cfg.temperature,
                                                  chunk_size=cfg.logprob_chunk_size, return_entropy=True)
-                loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old[r, :L].to(dev),
+                # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
+                old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
+                loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,
                                                   batch.advantages[r, :L].to(dev), m, cfg.loss,
                                                   None if tis is None else tis[r, :L].to(dev))
                 entropy = algos.aggregate(ent, m, cfg.loss.agg_mode, cfg.loss.agg_norm)

@@ -48,7 +48,8 @@ from env import make_env, mix_seed, sample_mixture
 from eval import dump_episodes, evaluate, heldout_tasks
 from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object,
                      cleanup_distributed, compute_logprobs, compute_values, critic_step, init_distributed, is_main,
-                     load_checkpoint, make_learner, merged_state_dict, shard_model, train_step)
+                     load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
+                     train_step)
 from model import load_model
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
 from runs import Logger, checkpoint_step, finish_run, load_pending, resolve_resume, save_run_checkpoint, write_config
@@ -140,8 +141,11 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     if lc.kl_coef > 0:
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
                                lc.logprob_chunk_size, mask)                        # (B, T)
-    old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                           lc.logprob_chunk_size, mask)                            # (B, T) pi_old
+    old = None                                                                     # exactly on-policy: the update
+    if old_logprobs_needed(lc) or cfg.algo.kl_in_reward:                           # takes pi = pi_old, detached
+        old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                               lc.logprob_chunk_size, mask)                        # (B, T) pi_old
+    metrics["perf/old_logprob_pass"] = float(old is not None)
     token_kl = None
     if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
         token_kl = algos.kl_penalty(old, ref, lc.kl_kind) * mask                   # (B, T)
@@ -164,7 +168,8 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
         informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
-    return TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref), values, metrics, informative
+    return (TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref, old_from_update=old is None),
+            values, metrics, informative)
 
 
 # -----------------------------------------------------------------------------

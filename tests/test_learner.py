@@ -115,3 +115,29 @@ def test_truncated_importance_sampling_in_the_update():
         train_step(make_learner(copy.deepcopy(model), tis_cfg, seed=0), replace(batch, old_logprobs=old), tis_cfg)
     with pytest.raises(ValueError, match="old_logprobs"):                # pi_old has one owner: the caller
         train_step(make_learner(copy.deepcopy(model), plain_cfg, seed=0), batch, plain_cfg)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "sapo"])
+def test_on_policy_update_skips_the_old_logprob_pass_with_the_same_gradient(loss):
+    """One mini-batch, one epoch: pi_old taken from the update's own log-probs (detached) instead of a scoring pass.
+    Same process, same shapes, same ops: the recomputed pi_old is bit for bit the update's log-probs, so the ratio
+    is exactly 1 either way and the gradients and metrics must be *equal*, not close."""
+    from learner import old_logprobs_needed
+    model, batch = init_model(CFG, seed=0), make_batch()
+    cfg = LearnerConfig(micro_batch_size=3, grad_clip=0.0, policy_loss=loss, entropy_coef=0.01)
+    assert not old_logprobs_needed(cfg)
+    grads, metrics = [], []
+    for b in (lambda s: scored(s, batch, cfg), lambda s: replace(batch, old_from_update=True)):
+        state = make_learner(copy.deepcopy(model), cfg, seed=0)
+        state, m = train_step(state, b(state), cfg)
+        grads.append(first_step_grad(state))
+        metrics.append(m)
+    assert grads[0].abs().max() > 0
+    assert torch.equal(grads[1], grads[0])
+    assert metrics[1] == metrics[0]
+    for off_policy in (replace(cfg, mini_batches=2), replace(cfg, ppo_epochs=2), replace(cfg, tis_cap=2.0),
+                       replace(cfg, lora_rank=4, lora_dropout=0.1)):
+        assert old_logprobs_needed(off_policy)
+    with pytest.raises(ValueError, match="on-policy"):               # two optimizer steps: pi_old must be scored
+        two = replace(cfg, mini_batches=2)
+        train_step(make_learner(copy.deepcopy(model), two, seed=0), replace(batch, old_from_update=True), two)

@@ -42,6 +42,7 @@ def test_main_smoke(tiny):
         assert l["rollout/response_tokens"] > 0                      # the policy did get to speak
         assert all(k == "step" or k.split("/")[0] in {"train", "rollout", "eval", "perf", "sync"} for k in l)
         assert l["sync/logprob_abs_diff"] < 1e-3 and l["perf/sync_seconds"] > 0   # the weight-sync gate ran
+        assert l["perf/old_logprob_pass"] == 0.0                      # one update per batch: pi_old = pi, detached
     png = open(os.path.join(run, "curves.png"), "rb").read()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
@@ -135,6 +136,7 @@ def test_kl_in_reward_and_in_loss(tiny):
         line = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))][-1]
         assert ("train/reward_kl" in line) == ("algo.kl_in_reward=true" in extra)
         assert ("train/kl" in line) == ("algo.kl_in_reward=true" not in extra)
+        assert line["perf/old_logprob_pass"] == float("algo.kl_in_reward=true" in extra)  # the reward's KL reads pi_old
 
 
 def test_eval_cli_on_a_checkpoint(tiny, tmp_path):
