@@ -59,7 +59,8 @@ class LearnerConfig:
     mini_batches: int = 1                 # optimizer steps per RL batch (PPO mini-batches)
     ppo_epochs: int = 1                   # passes over the RL batch
     temperature: float = 1.0              # log-probs are of softmax(logits / temperature), as sampled
-    logprob_chunk_size: int = 256         # tokens per chunk when turning hidden states into log-probs
+    logprob_chunk_size: int = 256         # tokens (over all rows of a micro-batch) per chunk of the lm_head and
+                                          # log-softmax: bounds the (tokens, V) fp32 logits block to (this, V)
     gradient_checkpointing: bool = False  # recompute decoder layers in backward to save activations
     policy_loss: str = "ppo"              # algos.policy_loss kind: ppo|dual_clip|dapo|gspo|gspo_token|sapo
     loss: algos.PolicyLossConfig = field(default_factory=algos.PolicyLossConfig)  # clip ranges, aggregation
@@ -268,7 +269,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_size: int,
                      temperature: float = 1.0, chunk_size: int = 256, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs of a whole batch, micro-batch by micro-batch, without gradients. -> (B, T)
-    With `mask`, rows are grouped by length and scored only up to their last masked token (0 beyond).
+    With `mask`, rows are grouped by length and only the masked tokens are scored (0 elsewhere).
     Under torchrun each rank scores its share of the rows and a sum over ranks fills in the rest (the
     other ranks' rows are exact zeros here), so every rank returns the same full (B, T) tensor."""
     was_training = model.training
@@ -278,7 +279,9 @@ def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_si
     lens = _row_lens(mask) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
     for idx, dummy in _rank_micro_batches(lens, micro_batch_size):
         L = int(lens[idx].max())
-        logp = model.token_logprobs(input_ids[idx, :L].to(dev), temperature=temperature, chunk_size=chunk_size)
+        m = mask[idx, :L].to(dev) if mask is not None else None                  # score only the masked tokens
+        logp = model.token_logprobs(input_ids[idx, :L].to(dev), temperature=temperature, chunk_size=chunk_size,
+                                    mask=m)
         if not dummy:
             out[idx, :L] = logp.float().cpu()                                    # (m, L)
     model.train(was_training)
@@ -400,8 +403,9 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
             def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
                 r = rows[idx]
                 ids, m = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) columns past L are padding
-                logp, ent = model.token_logprobs(ids, temperature=cfg.temperature,
-                                                 chunk_size=cfg.logprob_chunk_size, return_entropy=True)
+                # only the trained tokens are scored; the entropy has autograd only when it is in the loss
+                logp, ent = model.token_logprobs(ids, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
+                                                 return_entropy=True, mask=m, entropy_grad=cfg.entropy_coef > 0)
                 # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
                 old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
                 loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,
@@ -503,7 +507,7 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
 
     def micro_loss(idx, L):
         ids, m = input_ids[idx, :L].to(dev), mask[idx, :L]
-        logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size)    # (m, T)
+        logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size, mask=m.to(dev))  # (m, T)
         nll = algos.aggregate(-logp, m.to(dev), "token-mean")
         w = _share(m, mask, "token-mean")
         return nll * w, {"loss": float(nll.detach()) * w}

@@ -286,36 +286,53 @@ class Transformer(nn.Module):
         """-> logits (B, T, V) in the model's dtype."""
         return self.lm_head(self.hidden_states(input_ids, position_ids, key_padding_mask, kv_cache))
 
-    def token_logprobs(self, input_ids, temperature=1.0, chunk_size=256, return_entropy=False):
+    def token_logprobs(self, input_ids, temperature=1.0, chunk_size=256, return_entropy=False, mask=None,
+                       entropy_grad=True):
         """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] / temperature)
         [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token). entropy[:, t] is the entropy of that
         same distribution (0 at t = 0).
 
-        The lm_head and log-softmax run chunk_size positions at a time in fp32, each chunk under activation
-        checkpointing, so the (B, T, V) fp32 logits never exist at once, in forward or backward.
+        mask (B, T), optional: score only the tokens t where mask[:, t] is 1 (the loss mask: what the update
+        reads); every other entry of logp and entropy is 0 and costs nothing past the decoder. The chosen hidden
+        states are gathered into one (N, H) list, and the lm_head and log-softmax run over it chunk_size tokens at
+        a time in fp32, each chunk under activation checkpointing, so the (tokens, V) fp32 logits are at most
+        (chunk_size, V), in forward and backward, whatever B x T is. entropy_grad=False computes the entropy as a
+        metric only (no autograd through the full-vocabulary entropy: the learner's default, entropy_coef = 0).
         """
-        h = self.hidden_states(input_ids)[:, :-1]  # (B, T-1, H) position t-1 predicts token t
-        targets = input_ids[:, 1:]                 # (B, T-1)
+        B, T = input_ids.shape
+        h = self.hidden_states(input_ids)[:, :-1]                       # (B, T-1, H) position t-1 predicts token t
+        keep = torch.ones(B, T - 1, dtype=torch.bool, device=h.device) if mask is None else mask[:, 1:].bool()
+        rows, cols = keep.nonzero(as_tuple=True)                        # (N,) x2, row-major
+        h_sel, targets = h[rows, cols], input_ids[:, 1:][rows, cols]    # (N, H), (N,)
 
         def chunk_logprobs(h_c, tgt_c):
-            logits = self.lm_head(h_c).float() / temperature           # (B, C, V)
-            logp_all = torch.log_softmax(logits, dim=-1)                # (B, C, V)
-            logp = logp_all.gather(-1, tgt_c[..., None]).squeeze(-1)    # (B, C)
-            ent = -(logp_all.exp() * logp_all).sum(-1) if return_entropy else torch.zeros_like(logp)
-            return logp, ent
+            logits = self.lm_head(h_c).float()                          # (C, V)
+            if temperature != 1.0:                                      # sampled at T: score softmax(logits / T)
+                logits = logits / temperature
+            logp_all = torch.log_softmax(logits, dim=-1)                # (C, V)
+            logp = logp_all.gather(-1, tgt_c[:, None]).squeeze(-1)      # (C,)
+            if not return_entropy:
+                return logp, torch.zeros_like(logp)
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                return logp, -(logp_all.exp() * logp_all).sum(-1)       # (C,), (C,)
 
         recompute = torch.is_grad_enabled() and h.requires_grad
         logps, ents = [], []
-        for s in range(0, h.shape[1], chunk_size):
-            args = (h[:, s:s + chunk_size], targets[:, s:s + chunk_size])
+        # at least one chunk, empty when nothing is masked: the result still hangs off the decoder's graph, so a
+        # backward runs (under FSDP every rank must join every backward's collectives)
+        for s in range(0, max(h_sel.shape[0], 1), chunk_size):
+            args = (h_sel[s:s + chunk_size], targets[s:s + chunk_size])
             lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args)
             logps.append(lp)
             ents.append(ent)
-        zero = h.new_zeros(h.shape[0], 1, dtype=torch.float32)         # (B, 1)
-        logp = torch.cat([zero] + logps, dim=1)                         # (B, T)
+
+        def scatter(parts):                                             # (N,) -> (B, T), 0 where not scored
+            out = h.new_zeros(B, T - 1, dtype=torch.float32).index_put((rows, cols), torch.cat(parts))  # (B, T-1)
+            return torch.cat([out.new_zeros(B, 1), out], dim=1)         # (B, T)
+
         if return_entropy:
-            return logp, torch.cat([zero] + ents, dim=1)                # (B, T), (B, T)
-        return logp
+            return scatter(logps), scatter(ents)
+        return scatter(logps)
 
 
 # ----------------------------------------------------------------------------- init, load, save
