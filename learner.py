@@ -56,6 +56,9 @@ class LearnerConfig:
     betas: tuple = (0.9, 0.999)           # AdamW betas
     grad_clip: float = 1.0                # clip the global grad norm to this (<= 0: no clipping)
     micro_batch_size: int = 32            # sequences per forward/backward; does not change the result
+    max_tokens_per_micro_batch: int = 0   # > 0: micro-batches are packed by length instead, as many rows (sorted by
+                                          # length) as fit rows x longest row <= this (one row at least); ignores
+                                          # micro_batch_size; does not change the result either. 0: fixed rows
     mini_batches: int = 1                 # optimizer steps per RL batch (PPO mini-batches)
     ppo_epochs: int = 1                   # passes over the RL batch
     temperature: float = 1.0              # log-probs are of softmax(logits / temperature), as sampled
@@ -267,9 +270,11 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_size: int,
-                     temperature: float = 1.0, chunk_size: int = 256, mask: torch.Tensor | None = None) -> torch.Tensor:
+                     temperature: float = 1.0, chunk_size: int = 256, mask: torch.Tensor | None = None,
+                     max_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs of a whole batch, micro-batch by micro-batch, without gradients. -> (B, T)
-    With `mask`, rows are grouped by length and only the masked tokens are scored (0 elsewhere).
+    With `mask`, rows are grouped by length and only the masked tokens are scored (0 elsewhere). max_tokens > 0
+    packs micro-batches by a token budget (LearnerConfig.max_tokens_per_micro_batch).
     Under torchrun each rank scores its share of the rows and a sum over ranks fills in the rest (the
     other ranks' rows are exact zeros here), so every rank returns the same full (B, T) tensor."""
     was_training = model.training
@@ -277,7 +282,7 @@ def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_si
     dev = _device(model)
     out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
     lens = _row_lens(mask) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
-    for idx, dummy in _rank_micro_batches(lens, micro_batch_size):
+    for idx, dummy in _rank_micro_batches(lens, micro_batch_size, max_tokens):
         L = int(lens[idx].max())
         m = mask[idx, :L].to(dev) if mask is not None else None                  # score only the masked tokens
         logp = model.token_logprobs(input_ids[idx, :L].to(dev), temperature=temperature, chunk_size=chunk_size,
@@ -297,15 +302,24 @@ def _row_lens(mask: torch.Tensor) -> torch.Tensor:
     return (mask.bool() * pos).max(dim=1).values.clamp(min=min(2, mask.shape[1]))  # (B,)
 
 
-def _rank_micro_batches(lens: torch.Tensor, size: int) -> list[tuple[torch.Tensor, bool]]:
+def _rank_micro_batches(lens: torch.Tensor, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, bool]]:
     """This rank's micro-batches: [(row indices, dummy)], rows of similar length together (sorted), so a long
     row pads few short ones. The update does not depend on how rows are split (file docstring, point 3),
     so the grouping is free. Rank r takes every world-th row of the sorted order (each rank gets a similar
-    token count). A rank left with fewer micro-batches than the others gets `dummy` ones (the shortest
-    row, weight 0): under FSDP each forward/backward is a collective that every rank must join."""
+    token count). `size` rows each, or with max_tokens > 0 as many rows as fit rows x longest <= max_tokens
+    (one at least): short rows go many to a micro-batch, long ones few. A rank left with fewer micro-batches
+    than the others gets `dummy` ones (the shortest row, weight 0): under FSDP each forward/backward is a
+    collective that every rank must join."""
     order = torch.argsort(lens, stable=True)
     mine = order[get_rank()::get_world_size()]
-    plan = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
+    if max_tokens > 0:
+        plan, start = [], 0
+        for i in range(1, len(mine) + 1):          # rows ascend in length: row i-1 is the longest so far
+            if i == len(mine) or (i + 1 - start) * int(lens[mine[i]]) > max_tokens:
+                plan.append((mine[start:i], False))
+                start = i
+    else:
+        plan = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
     if get_world_size() > 1:
         n = all_reduce_(torch.tensor([len(plan)]), dist.ReduceOp.MAX).item()
         plan += [(order[:1], True)] * (n - len(plan))
@@ -341,22 +355,28 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
     """Run `micro_loss(idx, L) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
     tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length), backprop each,
     then take optimizer step number `step`. Metrics come back weighted the same way as the loss, summed over
-    ranks. The model and the optimizer are updated in place (they are torch objects); the caller returns the
-    state with its step counter advanced."""
+    ranks, plus `tokens_used` and `tokens_computed` (row lengths up to the last trained token, and micro-batch
+    rows x L: their ratio is the padding's share). The model and the optimizer are updated in place (they are
+    torch objects); the caller returns the state with its step counter advanced."""
     state.model.train()
     metrics: dict[str, float] = {}
     lens = _row_lens(mask)
-    plan = _rank_micro_batches(lens, cfg.micro_batch_size)
+    plan = _rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    used = computed = 0
     for i, (idx, dummy) in enumerate(plan):
         if is_sharded(state.model):               # reduce-scatter gradients once, after the last micro-batch
             state.model.set_requires_gradient_sync(i == len(plan) - 1)
-        loss, m = micro_loss(idx, int(lens[idx].max()))
+        L = int(lens[idx].max())
+        if not dummy:
+            used, computed = used + int(lens[idx].sum()), computed + len(idx) * L
+        loss, m = micro_loss(idx, L)
         if dummy:                                 # only here to join the collectives: contributes exactly 0
             loss, m = loss * 0.0, {k: 0.0 for k in m}
         if loss.requires_grad:                    # a micro-batch with no trained token contributes nothing
             loss.backward()
         for k, v in m.items():
             metrics[k] = metrics.get(k, 0.0) + float(v)
+    metrics.update(tokens_used=used, tokens_computed=computed)
     if get_world_size() > 1:                      # every rank has the same keys (dummies included)
         keys = sorted(metrics)
         total = all_reduce_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
@@ -428,7 +448,9 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
             n_updates += 1
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
+    used, computed = sums.pop("tokens_used"), sums.pop("tokens_computed")
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps
+    metrics["perf/pad_fraction"] = 1.0 - used / max(computed, 1)             # the update's work spent on padding
     metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})  # of the whole batch
     metrics["train/updates"] = n_updates
     return replace(state, optimizer_step=step), metrics
@@ -491,6 +513,7 @@ def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, valu
         return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
 
     m = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
+    m = {k: v for k, v in m.items() if not k.startswith("tokens_")}          # train_step's pad fraction logs those
     return replace(state, optimizer_step=state.optimizer_step + 1), {f"critic/{k}": v for k, v in m.items()}
 
 
@@ -513,6 +536,7 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
         return nll * w, {"loss": float(nll.detach()) * w}
 
     m = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
+    m = {k: v for k, v in m.items() if not k.startswith("tokens_")}
     return replace(state, optimizer_step=state.optimizer_step + 1), {f"sft/{k}": v for k, v in m.items()}
 
 

@@ -140,11 +140,11 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     ref = None
     if lc.kl_coef > 0:
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask)                        # (B, T)
+                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch)  # (B, T)
     old = None                                                                     # exactly on-policy: the update
     if old_logprobs_needed(lc) or cfg.algo.kl_in_reward:                           # takes pi = pi_old, detached
         old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask)                        # (B, T) pi_old
+                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch)  # (B, T) pi_old
     metrics["perf/old_logprob_pass"] = float(old is not None)
     token_kl = None
     if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty

@@ -40,7 +40,7 @@ def make_batch(B=8, T=12, seed=0) -> TrainBatch:
 def scored(state, batch: TrainBatch, cfg: LearnerConfig) -> TrainBatch:
     """The batch with the learner's log-probs before the update, as train.compute_advantages gives it."""
     old = compute_logprobs(state.model, batch.input_ids, cfg.micro_batch_size, cfg.temperature,
-                           cfg.logprob_chunk_size, batch.loss_mask)
+                           cfg.logprob_chunk_size, batch.loss_mask, cfg.max_tokens_per_micro_batch)
     return dataclasses.replace(batch, old_logprobs=old)
 
 

@@ -141,3 +141,31 @@ def test_on_policy_update_skips_the_old_logprob_pass_with_the_same_gradient(loss
     with pytest.raises(ValueError, match="on-policy"):               # two optimizer steps: pi_old must be scored
         two = replace(cfg, mini_batches=2)
         train_step(make_learner(copy.deepcopy(model), two, seed=0), replace(batch, old_from_update=True), two)
+
+
+def test_token_budget_micro_batches_pack_by_length_and_keep_the_gradient():
+    """learner.max_tokens_per_micro_batch packs rows (sorted by length) while rows x longest <= the budget: every
+    row once, no micro-batch over budget unless it is one row, less padding than fixed rows; and the gradient is
+    the one of the whole batch at once (tolerance of test_micro_batch_split_invariance: another summation order)."""
+    from learner import _rank_micro_batches, _row_lens
+    batch = make_batch(B=8, T=12)
+    lens = _row_lens(batch.loss_mask)
+    for budget in (1, 10, 24, 1000):
+        plan = _rank_micro_batches(lens, 32, budget)
+        assert sorted(torch.cat([idx for idx, _ in plan]).tolist()) == list(range(8))
+        for idx, _ in plan:
+            assert len(idx) == 1 or len(idx) * int(lens[idx].max()) <= budget
+    model = init_model(CFG, seed=0)
+    grads, pads = [], []
+    for kw in ({"micro_batch_size": 8}, {"micro_batch_size": 3}, {"max_tokens_per_micro_batch": 20},
+               {"max_tokens_per_micro_batch": 9}):
+        cfg = LearnerConfig(grad_clip=0.0, **kw)
+        state = make_learner(copy.deepcopy(model), cfg, seed=0)
+        state, m = train_step(state, scored(state, batch, cfg), cfg)
+        grads.append(first_step_grad(state))
+        pads.append(m["perf/pad_fraction"])
+        assert 0.0 <= m["perf/pad_fraction"] < 1.0
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], rtol=1e-4, atol=1e-7)
+    assert pads[3] < pads[2] < pads[1] < pads[0]   # packing by length wastes less than 3 fixed rows, than 8
+    assert pads[3] == 0.0                         # budget 9: one row each (lengths 2..11), no padding at all
