@@ -159,6 +159,8 @@ class Config:
     wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
     wandb_project: str = "nano-skyrl"
     threads: int = 0                 # torch CPU threads (0: torch's default)
+    peak_flops: float = 0.0          # the learner device's peak FLOP/s, the denominator of perf/mfu (0: a table of
+                                     # common GPUs' dense bf16 peaks, or on a CPU a measured fp32 matmul's FLOP/s)
     model: ModelSpec = field(default_factory=ModelSpec)
     envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])  # training mix and held-out sets
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -335,6 +335,20 @@ class Transformer(nn.Module):
         return scatter(logps)
 
 
+def train_flops(model: Transformer, lengths) -> float:
+    """Model FLOPs of one training pass (forward + backward) over sequences of the given lengths, as in PaLM's
+    MFU (Chowdhery et al. 2022, appendix B; nanoGPT's estimate_mfu): 6 N per token for the weight matmuls, plus
+    12 x layers x heads x head_dim x T per token of a length-T sequence for attention's two matmuls (counted in
+    full, causal or not). N counts the lm_head but not the embedding lookup (once when the two are tied).
+    Recomputation (activation checkpointing, the log-prob chunks) is not model FLOPs and is not counted."""
+    c = model.cfg
+    n = sum(p.numel() for p in model.parameters())
+    if not c.tie_word_embeddings:
+        n -= model.model.embed_tokens.weight.numel()                # a lookup, no FLOPs
+    attn = 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+    return float(sum(6 * n * int(t) + attn * int(t) ** 2 for t in lengths))
+
+
 # ----------------------------------------------------------------------------- init, load, save
 
 def init_model(cfg: ModelConfig, seed: int) -> Transformer:

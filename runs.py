@@ -36,7 +36,8 @@ PENDING = "pending_rollouts.pkl"        # async mode: the next step's rollouts, 
 MARKER = "checkpoint.json"              # written last into a checkpoint folder: {"rl_step", "optimizer_step", ...}
 # what may change between a run and its resumed continuation: how long it runs, where and how it is launched,
 # how it is logged and checkpointed; anything else would silently train a different run
-RESUME_FREE_KEYS = ("steps", "resume", "threads", "wandb", "wandb_project", "log_timings", "checkpoint_every",
+RESUME_FREE_KEYS = ("steps", "resume", "threads", "wandb", "wandb_project", "log_timings", "peak_flops",
+                    "checkpoint_every",
                     "keep_checkpoints", "ray.address", "ray.learner_workers", "ray.cpus_per_learner",
                     "ray.gpus_per_learner", "ray.placement_strategy")
 

@@ -31,7 +31,9 @@ Shapes: B episodes in a batch, T tokens, G group size.
 """
 import argparse
 import copy
+import functools
 import os
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -50,7 +52,7 @@ from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, b
                      cleanup_distributed, compute_logprobs, compute_values, critic_step, init_distributed, is_main,
                      load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
                      train_step)
-from model import load_model
+from model import load_model, train_flops
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
 from runs import Logger, checkpoint_step, finish_run, load_pending, resolve_resume, save_run_checkpoint, write_config
 
@@ -205,6 +207,53 @@ def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -
 
 
 # -----------------------------------------------------------------------------
+# perf metrics: MFU and peak memory
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched against
+# torch.cuda.get_device_name() in this order (the first name that is a substring wins)
+GPU_PEAK_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+                  ("L4", 121e12), ("A10", 125e12), ("V100", 125e12)]
+
+
+@functools.lru_cache(maxsize=None)
+def measured_matmul_flops(device: torch.device, threads: int, reps: int = 8) -> float:
+    """FLOP/s of one square matmul on `device` (the best of `reps`): fp32 (512, 512) on a CPU with `threads` torch
+    threads, bf16 (4096, 4096) on a GPU. What the device reaches: perf/mfu's denominator when no peak is known.
+    Measured once per device and thread count."""
+    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b                                                            # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def peak_flops(device: torch.device, override: float = 0.0) -> float:
+    """The device's peak FLOP/s: `override` (config peak_flops) if set, a GPU's from GPU_PEAK_FLOPS, else measured."""
+    if override > 0:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:
+            if key in name:
+                return flops
+    return measured_matmul_flops(device, torch.get_num_threads())
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The learner's peak memory so far: CUDA's max allocated on a GPU, else this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20    # Linux reports KiB
+
+
+# -----------------------------------------------------------------------------
 # building the learner and the rollout source
 
 def model_folder(cfg: Config) -> str:
@@ -292,6 +341,8 @@ def main(cfg: Config) -> dict:
         rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model, weights)
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     learner_cfg, critic_cfg = learner_configs(cfg)
+    learner_device = next(policy.model.parameters()).device
+    peak = peak_flops(learner_device, cfg.peak_flops)                 # perf/mfu's denominator, per process
     logger = Logger(run_dir, cfg, resume_step=start if resume else None, enabled=is_main())  # logs cut back to start
     pending = load_pending(resume) if resume and cfg.rollout.async_rollouts else None
     prefetch = Prefetcher(lambda step: collect_rollouts(cfg, rollouts, envs, step), cfg.steps,
@@ -327,6 +378,10 @@ def main(cfg: Config) -> dict:
             weights = merged_state_dict(policy.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
+        if updated:   # model FLOPs of the update (every epoch) over its time and the peak of the devices that ran it
+            flops = train_flops(policy.model, batch.lengths) * learner_cfg.ppo_epochs
+            metrics["perf/mfu"] = flops / max(t_train, 1e-9) / (peak * world)
+        metrics["perf/peak_memory_gib"] = peak_memory_gib(learner_device)
         if is_main():
             metrics.update(prefetch.wait(step))    # the next batch must be sampled before the push changes weights
 

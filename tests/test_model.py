@@ -13,7 +13,7 @@ from conftest import need
 
 transformers = need("transformers", "the logits-parity oracle")
 
-from model import KVCache, ModelConfig, Transformer, init_model, load_model, save_model
+from model import KVCache, ModelConfig, Transformer, init_model, load_model, save_model, train_flops
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # short, so the 3 frequency bands all occur at hd = 8
@@ -262,6 +262,16 @@ def test_lean_head_gradients_equal_plain_head():
         torch.testing.assert_close(grads["lean"][k], grads["plain"][k], rtol=1e-5,
                                    atol=1e-5 * grads["plain"][k].abs().max())
         assert torch.equal(grads["lean_logp_no_entropy_grad"][k], grads["lean_logp"][k]), k
+
+
+def test_train_flops_by_hand():
+    """perf/mfu's numerator on tiny_model's shape (qwen2: q/k/v biases; H 32, I 48, 2 layers, 4 heads of 8, 2 kv heads,
+    V 97), counted by hand: per layer q 32*32+32, k and v 32*16+16 each, o 32*32, MLP 3*32*48, two norms 32 each
+    = 7808; two layers, the final norm 32, one (97, 32) matrix for the lm_head: N = 18752 whether tied (the
+    embedding is the lm_head) or not (the lookup costs no FLOPs). Attention: 12 * 2 layers * 4 heads * 8 = 768 T^2."""
+    for tied in (True, False):
+        flops = train_flops(tiny_model(tie_word_embeddings=tied), torch.tensor([3, 5]))
+        assert flops == 6 * 18752 * (3 + 5) + 768 * (3 ** 2 + 5 ** 2)
 
 
 # ----------------------------------------------------------------------------- KV cache

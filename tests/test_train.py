@@ -43,6 +43,7 @@ def test_main_smoke(tiny):
         assert all(k == "step" or k.split("/")[0] in {"train", "rollout", "eval", "perf", "sync"} for k in l)
         assert l["sync/logprob_abs_diff"] < 1e-3 and l["perf/sync_seconds"] > 0   # the weight-sync gate ran
         assert l["perf/old_logprob_pass"] == 0.0                      # one update per batch: pi_old = pi, detached
+        assert l["perf/mfu"] > 0 and l["perf/peak_memory_gib"] > 0.05 and 0 <= l["perf/pad_fraction"] < 1
     png = open(os.path.join(run, "curves.png"), "rb").read()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
@@ -220,3 +221,13 @@ def test_async_one_step_off_policy_and_its_exact_resume(tiny):
 def test_async_rollouts_need_truncated_is(tiny):
     with pytest.raises(ValueError, match="tis_cap"):
         tiny("rollout.async_rollouts=true")
+
+
+def test_peak_flops_override_table_and_measured():
+    """perf/mfu's denominator: the config's peak_flops wins; on a CPU, a measured matmul (any real CPU does more
+    than 1e8 FLOP/s and less than 1e13 fp32 on a 512 x 512 matmul with the threads it has)."""
+    from train import peak_flops, peak_memory_gib
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, 5e12) == 5e12
+    assert 1e8 < peak_flops(cpu) < 1e13
+    assert peak_memory_gib(cpu) > 0.05                                 # this process holds torch: > 50 MiB
