@@ -3,7 +3,7 @@
     .venv/bin/python bench/learner.py [--batch 64] [--seq 256] [--steps 4] [--lora-rank 0]
 
 Each configuration runs in its own subprocess, one after the other: the update of train.py (the log-probs
-before the update, `compute_logprobs`, then one PPO `train_step`) on a fixed synthetic batch for the default model's size (sft.py's tiny
+before the update, `compute_logprobs`, when the update needs them, then one PPO `train_step`) on a fixed synthetic batch for the default model's size (sft.py's tiny
 Qwen2: hidden 128, 4 layers, vocab 1024), timed after one warm-up step. Learner tokens/s counts every
 token of the global batch (B x T) per second of train_step. Rows: one process with 1 and with 2 threads,
 and torchrun --nproc_per_node 2 with 1 thread per process (gloo, FSDP2); the ratio compares equal thread
@@ -28,7 +28,8 @@ def worker(args) -> None:
     import torch
     from config import SFTConfig
     from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, compute_logprobs,
-                         get_world_size, init_distributed, is_main, make_learner, shard_model, train_step)
+                         get_world_size, init_distributed, is_main, make_learner, old_logprobs_needed, shard_model,
+                         train_step)
     from model import ModelConfig, init_model
 
     torch.set_num_threads(args.threads)
@@ -48,7 +49,9 @@ def worker(args) -> None:
     mask = torch.zeros(B, T)
     mask[:, T // 2:] = 1                                                           # the response: second half
     adv = torch.randn(B, 1, generator=g) * mask                                    # (B, T)
-    def update(state):                   # as train.py: score the batch (pi_old), then one PPO update
+    def update(state):                   # as train.py: score the batch (pi_old) if the update needs it, then PPO
+        if not old_logprobs_needed(lcfg):  # one optimizer step: pi_old is the update's own log-probs, detached
+            return train_step(state, TrainBatch(ids, mask, adv, old_from_update=True), lcfg)[0]
         old = compute_logprobs(state.model, ids, lcfg.micro_batch_size, mask=mask)
         return train_step(state, TrainBatch(ids, mask, adv, old), lcfg)[0]
 
