@@ -16,8 +16,10 @@ interleaved A B C A B C ... after nothing else: one warm-up update, then one tim
 Tokens/s counts B x T tokens per second of the update. Peak RSS is the process's (ru_maxrss, model and
 imports included; transformers' import alone is heavier); "update rise" is peak RSS minus the RSS just before
 the warm-up update, i.e. what the update itself added. Sizes: `default` (the embedded model: hidden 128, 4
-layers, vocab 1024; 0.9M parameters), `10m` (hidden 384, 6 layers, vocab 8192; 12.6M) and `100m` (hidden 768,
-12 layers, vocab 32000; 98M; slow on a CPU: about a minute per update at 1 thread, so off unless asked for).
+layers, vocab 1024; 0.9M parameters), `10m` (hidden 384, 6 layers, vocab 8192; 12.6M), `10m-qwen-vocab` (the
+same body with Qwen's 151,936-token vocabulary: where the (tokens, V) logits dominate memory) and `100m` (hidden
+768, 12 layers, vocab 32000; 98M). The last two are slow on a CPU (minutes per update at 1 thread): off unless
+asked for.
 """
 import argparse
 import json
@@ -37,6 +39,8 @@ SIZES = {
                      num_key_value_heads=2, intermediate_size=352), 64, 8),
     "10m": (dict(vocab_size=8192, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
                  num_key_value_heads=2, intermediate_size=1024), 16, 8),
+    "10m-qwen-vocab": (dict(vocab_size=151936, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+                            num_key_value_heads=2, intermediate_size=1024), 8, 8),
     "100m": (dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=2, intermediate_size=2048), 8, 4),
 }
