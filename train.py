@@ -11,7 +11,8 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
-  4. push + gate   the new weights go to the engine, which then continues a few trajectories while the learner
+  4. push + gate   the new weights go to the engine (an in-process torch engine reads the learner's own parameters
+                   when it can: nothing to push), which then continues a few trajectories while the learner
                    scores the same tokens: their log-probs must agree (rollout.py's weight-sync gate) or the run stops.
   5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
@@ -49,7 +50,8 @@ from config import Config, check_file, check_paths, config_exit, engine_options,
 from env import make_env, mix_seed, sample_mixture
 from eval import dump_episodes, evaluate, heldout_tasks
 from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object,
-                     cleanup_distributed, compute_logprobs, compute_values, critic_step, init_distributed, is_main,
+                     cleanup_distributed, compute_logprobs, compute_values, critic_step, get_world_size,
+                     init_distributed, is_main,
                      load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
                      train_step)
 from model import load_model, train_flops
@@ -269,9 +271,11 @@ def model_folder(cfg: Config) -> str:
 
 def build_learner(cfg: Config, model_dir: str, resume: str
                   ) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
-    """-> (the policy's learner state, PPO's critic or None, a plain copy of the base model for an in-process
-    torch engine or None). The reference, the critic and the engine start from the base model; LoRA wraps only
-    the policy, and sharding (torchrun) happens after. A resumed run's states are loaded from `resume`."""
+    """-> (the policy's learner state, PPO's critic or None, the model of an in-process torch engine or None). The
+    reference, the critic and the engine start from the base model; LoRA wraps only the policy, and sharding
+    (torchrun) happens after. A resumed run's states are loaded from `resume`. The engine's model is the policy's
+    own module when shares_engine_model(cfg) (no copy, no push: the engine reads the learner's parameters), else
+    a plain copy that each update is pushed into."""
     model = load_model(model_dir, dtype=getattr(torch, cfg.model.dtype))
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
     learner_cfg, critic_cfg = learner_configs(cfg)
@@ -279,7 +283,7 @@ def build_learner(cfg: Config, model_dir: str, resume: str
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
         critic = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
     in_process = is_main() and cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers
-    engine_model = copy.deepcopy(model).eval() if in_process else None
+    engine_model = (model if shares_engine_model(cfg) else copy.deepcopy(model).eval()) if in_process else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
@@ -293,6 +297,15 @@ def build_learner(cfg: Config, model_dir: str, resume: str
     return policy, critic, engine_model
 
 
+def shares_engine_model(cfg: Config) -> bool:
+    """Whether the in-process torch engine can read the learner's parameters instead of holding a copy that every
+    update is pushed into: one process (a sharded learner holds only shards), the same dtype (both are
+    model.dtype), no LoRA (the engine needs the adapters merged in) and no async rollouts (the engine would sample
+    while the update writes the weights). The weight-sync gate still checks the engine after every update."""
+    return (cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers and get_world_size() == 1
+            and not cfg.learner.lora_rank and not cfg.rollout.async_rollouts)
+
+
 def learner_configs(cfg: Config) -> tuple:
     """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
     policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
@@ -302,7 +315,7 @@ def learner_configs(cfg: Config) -> tuple:
 def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_model, weights: dict | None):
     """Rank 0's rollout source: Ray workers (ray.rollout_workers), else the agent loop around an engine built here.
     Either keeps its own copy of the weights, `weights` pushed first when the learner is not the base model (a
-    resumed run; LoRA's merged weights), then after every update."""
+    resumed run; LoRA's merged weights), then after every update; or reads the learner's (shares_engine_model)."""
     if cfg.ray.rollout_workers:
         return start_ray_rollouts(cfg, model_dir, envs, engine_options(cfg), weights)
     engine = make_engine(cfg.rollout.engine, model_dir, pad_id=tokenizer.token_to_id("<|endoftext|>"),
@@ -334,7 +347,8 @@ def main(cfg: Config) -> dict:
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     policy, critic, engine_model = build_learner(cfg, model_dir, resume)
-    weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
+    shared = shares_engine_model(cfg)                # the engine reads the policy's parameters: nothing to push
+    weights = merged_state_dict(policy.model) if (resume or cfg.learner.lora_rank) and not shared else None
     rollouts = envs = eval_tasks = None
     if is_main():
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
@@ -375,7 +389,8 @@ def main(cfg: Config) -> dict:
             if critic is not None:
                 critic, m = critic_step(critic, value_batch, critic_cfg, cfg.algo.value_clip)
                 metrics.update(m)
-            weights = merged_state_dict(policy.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
+            if not shared:
+                weights = merged_state_dict(policy.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
         if updated:   # model FLOPs of the update (every epoch) over its time and the peak of the devices that ran it
@@ -389,7 +404,7 @@ def main(cfg: Config) -> dict:
         t2 = time.time()
         if is_main():
             rollouts.wake_up()
-            if updated:
+            if updated and not shared:
                 metrics.update(rollouts.update_weights(weights))
         if cfg.rollout.sync_check_samples:
             metrics.update(check_weight_sync(cfg, rollouts, policy, trajs, step))

@@ -231,3 +231,19 @@ def test_peak_flops_override_table_and_measured():
     assert peak_flops(cpu, 5e12) == 5e12
     assert 1e8 < peak_flops(cpu) < 1e13
     assert peak_memory_gib(cpu) > 0.05                                 # this process holds torch: > 50 MiB
+
+
+def test_in_process_torch_engine_shares_the_learners_parameters_only_when_it_can(tiny):
+    """One process, no LoRA, no async rollouts: the engine's model is the policy's module (no copy, no push; the
+    smoke and resume tests run this way and the weight-sync gate checks it); otherwise a copy that is pushed into."""
+    from train import build_learner, model_folder, shares_engine_model
+    cfg = tiny()
+    assert shares_engine_model(cfg)
+    policy, _, engine_model = build_learner(cfg, model_folder(cfg), "")
+    assert engine_model is policy.model
+    for extra in (["learner.lora_rank=4"], ["rollout.async_rollouts=true", "learner.tis_cap=2.0"],
+                  ["rollout.engine=vllm"]):
+        assert not shares_engine_model(tiny(*extra)), extra
+    lora = tiny("learner.lora_rank=4")
+    policy, _, engine_model = build_learner(lora, model_folder(lora), "")
+    assert engine_model is not policy.model and engine_model is not None
