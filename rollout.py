@@ -8,7 +8,8 @@ free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, ch
 chat.py and agent.py, so an engine never sees a string.
 
   TorchEngine   a pure-PyTorch batched sampler with a KV cache (model.py's Transformer): no dependencies, CPU-fast
-                for tiny models, the reference the others are tested against.
+                for tiny models, the reference the others are tested against. Optionally keeps a prefix cache across
+                calls (PrefixCache), so a multi-turn episode's next turn prefills only its new tokens.
   VLLMEngine    a colocated vllm.LLM in this process (paged attention, continuous batching): the fast engine on
                 GPUs. vllm is imported only when one is built, so nothing else needs it installed.
   OpenAIEngine  a standard-library HTTP client of an OpenAI-compatible completions server (`vllm serve`), for
@@ -20,8 +21,9 @@ The weight-sync gate (last section) is what train.py runs after every push: the 
 continuations and the learner scores them; their log-probs must agree, or the engine is not running the learner's
 weights. Running engines on Ray workers is cluster.py's job.
 
-Shapes: B rows in a batch (prompts x n), b rows still generating, L longest prompt, N max new tokens,
-        V vocab, H hidden.
+Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct prompts, C cache columns holding
+        prefix-cached tokens, S columns of tokens to prefill (the longest prompt when nothing is cached), N max new
+        tokens, V vocab, H hidden.
 Imports: model.py only (and torch, safetensors, the standard library; vllm inside VLLMEngine).
 """
 import json
