@@ -15,7 +15,8 @@ in bf16 (--dtype; fp32 by default with --tiny):
                           engine vs learner: the engine's log-probs of its own samples against the learner's
                           scoring of them, within rollout.default_sync_threshold(dtype), as the run's gate checks
   engine decode           TorchEngine.generate tokens/s (rows x new tokens, temperature 1, no stop token), and
-                          transformers' generate forced to the same tokens when it imports, interleaved A B A B
+                          transformers' generate forced to the same tokens when it imports, interleaved A B A B;
+                          on CUDA each side's peak memory above what was allocated before the call (KV cache etc.)
   learner                 learner.train_step on rows x tokens (one mini-batch, one epoch, AdamW): tokens/s, MFU
                           and peak memory, with and without gradient checkpointing
   weight push             TorchEngine.update_weights from the learner's state dict: seconds and GB/s
@@ -185,19 +186,21 @@ def bench_decode(model, tmp: str, device, dtype, size: dict) -> dict:
                                    top_p=1.0, max_new_tokens=N, min_new_tokens=N, eos_token_id=None, pad_token_id=0)
         sides["transformers"] = hf_generate
     seconds = {side: [] for side in sides}
-    peak = {}
+    extra = {}                                                  # CUDA: peak memory above the weights, per call
     for r in range(size["repeats"] + 1):                        # round 0 warms up (allocator, kernels)
         for side, run in sides.items():
             reset_peak(device)
             sync(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             t0 = time.perf_counter()
             run(r)
             sync(device)
             if r:
                 seconds[side].append(time.perf_counter() - t0)
-                peak[side] = peak_gib(device)
+                if device.type == "cuda":
+                    extra[side] = max(extra.get(side, 0.0), peak_gib(device) - base / 2**30)
     out = {f"decode_{side}_tokens_per_s": len(prompts) * N / statistics.median(ts) for side, ts in seconds.items()}
-    out.update({f"decode_{side}_peak_gib": p for side, p in peak.items()})
+    out.update({f"decode_{side}_extra_peak_gib": p for side, p in extra.items()})
     if transformers is not None:
         out["decode_engine_vs_transformers"] = out["decode_engine_tokens_per_s"] / out["decode_transformers_tokens_per_s"]
         del hf
