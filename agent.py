@@ -262,10 +262,12 @@ class LocalRollouts:
 
     def play(self, tasks: list[Task], params, seed: int, judge_weight: float = 0.0,
              agent: AgentConfig | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-        """run_episodes on every task -> (trajectories group-major, no metrics of its own). `agent` overrides the
-        AgentConfig (eval: n_samples=1)."""
-        return run_episodes(self.engine, self.envs, tasks, self.tokenizer, agent or self.agent, params, seed,
-                            judge_weight=judge_weight), {}
+        """run_episodes on every task -> (trajectories group-major, the engine's prefill metrics). `agent`
+        overrides the AgentConfig (eval: n_samples=1)."""
+        before = prefill_counts(self.engine)
+        trajs = run_episodes(self.engine, self.envs, tasks, self.tokenizer, agent or self.agent, params, seed,
+                             judge_weight=judge_weight)
+        return trajs, prefill_metrics(before, prefill_counts(self.engine), len(trajs))
 
     def generate(self, prompts: list[list[int]], params) -> list:
         """The engine's generate (the weight-sync gate's probe)."""
@@ -357,6 +359,21 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         for name, rewards in sorted(by_env.items()):
             out[f"rollout/{name}/reward"] = mean(rewards)
     return out
+
+
+def prefill_counts(engine) -> tuple[int, int]:
+    """(prompt tokens the engine has prefilled, prompt tokens it was given) so far, for an engine that counts them
+    (rollout.TorchEngine); (0, 0) for one that does not."""
+    return getattr(engine, "prefilled_tokens", 0), getattr(engine, "prompt_tokens", 0)
+
+
+def prefill_metrics(before: tuple[int, int], after: tuple[int, int], episodes: int) -> dict[str, float]:
+    """rollout/prefilled_tokens (prompt tokens prefilled per episode, every turn counted) and rollout/prefix_cached
+    (the fraction of prompt tokens found in the engine's prefix cache instead) between two prefill_counts."""
+    prefilled, given = after[0] - before[0], after[1] - before[1]
+    if not given or not episodes:
+        return {}
+    return {"rollout/prefilled_tokens": prefilled / episodes, "rollout/prefix_cached": 1.0 - prefilled / given}
 
 
 def mixed_groups(trajs: list[Trajectory], group_size: int) -> list[bool]:

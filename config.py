@@ -60,6 +60,10 @@ class RolloutConfig:
     top_p: float = 1.0               # nucleus sampling mass
     max_tokens: int = 96             # new tokens per assistant turn at most
     max_batch_size: int = 256        # sequences the engine decodes at once
+    prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many token positions between
+                                     # calls (least recently used dropped first), so each turn of a multi-turn episode
+                                     # prefills only its new tokens (rollout.PrefixCache). Same sampled tokens,
+                                     # log-probs equal to float rounding; 0 = off (every turn re-prefills it all)
     gpu_memory_utilization: float = 0.5  # vllm engine on a GPU: its share of GPU memory (weights + KV cache); the
                                      # learner, in the same process, needs the rest
     sync_check_samples: int = 4      # weight-sync gate, after every push: the engine continues this many of the step's
@@ -391,7 +395,8 @@ def engine_options(cfg: Config) -> dict:
             # a whole trajectory, plus a turn's new tokens or the weight-sync probe's, whichever is longer
             "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
             "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
-            "base_url": rollout.base_url, "served_model": rollout.served_model}
+            "base_url": rollout.base_url, "served_model": rollout.served_model,
+            "prefix_cache_tokens": rollout.prefix_cache_tokens}
 
 
 # -----------------------------------------------------------------------------

@@ -219,10 +219,11 @@ def shard_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
     """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), written out: each decoder
     layer is its own unit (its parameters are all-gathered just before it runs and freed after), then the
     root takes what is left (embeddings, final norm, lm_head; a Critic's value head). In one process the
-    model comes back unchanged. On GPUs the model moves to this rank's GPU and, with cfg.mixed_precision,
-    computes in bf16 while gradients are reduced in fp32 (the fp32 master weights stay sharded)."""
+    model comes back unsharded. On GPUs the model moves to this rank's GPU and, with cfg.mixed_precision,
+    computes in bf16 while gradients are reduced in fp32 (the fp32 master weights stay sharded). A single process
+    with a GPU gets the model moved there, unsharded."""
     if get_world_size() == 1:
-        return model
+        return model.to(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else model
     mp = MixedPrecisionPolicy()                               # CPU: compute in the parameters' own dtype
     if _on_gpu():
         model.to(torch.device("cuda", torch.cuda.current_device()))

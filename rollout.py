@@ -8,7 +8,8 @@ free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, ch
 chat.py and agent.py, so an engine never sees a string.
 
   TorchEngine   a pure-PyTorch batched sampler with a KV cache (model.py's Transformer): no dependencies, CPU-fast
-                for tiny models, the reference the others are tested against.
+                for tiny models, the reference the others are tested against. Optionally keeps a prefix cache across
+                calls (PrefixCache), so a multi-turn episode's next turn prefills only its new tokens.
   VLLMEngine    a colocated vllm.LLM in this process (paged attention, continuous batching): the fast engine on
                 GPUs. vllm is imported only when one is built, so nothing else needs it installed.
   OpenAIEngine  a standard-library HTTP client of an OpenAI-compatible completions server (`vllm serve`), for
@@ -20,8 +21,9 @@ The weight-sync gate (last section) is what train.py runs after every push: the 
 continuations and the learner scores them; their log-probs must agree, or the engine is not running the learner's
 weights. Running engines on Ray workers is cluster.py's job.
 
-Shapes: B rows in a batch (prompts x n), b rows still generating, L longest prompt, N max new tokens,
-        V vocab, H hidden.
+Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct prompts, C cache columns holding
+        prefix-cached tokens, S columns of tokens to prefill (the longest prompt when nothing is cached), N max new
+        tokens, V vocab, H hidden.
 Imports: model.py only (and torch, safetensors, the standard library; vllm inside VLLMEngine).
 """
 import json
@@ -31,6 +33,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -132,6 +135,95 @@ def weight_buckets(state_dict: dict, bucket_bytes: int, dtype: torch.dtype | Non
 
 
 # -----------------------------------------------------------------------------
+# the prefix cache: keys and values that outlive a generate call
+
+class PrefixCache:
+    """Keys and values of sequences the engine has already run, found again by their token ids.
+
+    A multi-turn episode sends its whole conversation back every turn: turn k's prompt is turn k-1's prompt, its
+    generation and the new observation. With this cache the engine prefills only what follows the longest prefix it
+    already holds (the keys and values of position j depend on tokens 0..j alone: causal attention). The same idea as
+    vLLM's automatic prefix caching (https://docs.vllm.ai/en/latest/design/prefix_caching.html), minus its paging:
+    an entry is one sequence's keys and values, (layers, nkv, n, hd) each, and lookups go through hashes of its
+    prefixes at every BLOCK tokens, then an exact comparison of the ids.
+
+    Bounded by max_tokens cached positions in all: least recently used entries go first. The engine removes an
+    entry once a prompt has taken its prefix from it (the row stores its own, longer sequence after the call), so
+    one running episode holds one entry. Entries are only valid for the weights that computed them:
+    the engine clears the cache when its weights change (see TorchEngine._weights_version).
+    """
+    BLOCK = 16
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.entries = OrderedDict()      # id -> (token ids tuple, k (layers, nkv, n, hd), v (same)); oldest first
+        self.index: dict[int, set] = {}   # hash of ids[:BLOCK * j] (j >= 1) -> ids of the entries starting with them
+        self.tokens = 0                   # positions held, over all entries
+        self.next_id = 0
+
+    @classmethod
+    def block_hashes(cls, ids) -> list[int]:
+        """hash(ids[:BLOCK]), hash(ids[:2 BLOCK]), ...: chained, so computing them all is linear in len(ids)."""
+        out, h = [], 0
+        for s in range(cls.BLOCK, len(ids) + 1, cls.BLOCK):
+            h = hash((h, tuple(ids[s - cls.BLOCK:s])))
+            out.append(h)
+        return out
+
+    def lookup(self, ids: list[int]) -> tuple[int, tuple | None]:
+        """(n, entry) for the entry sharing the longest prefix with ids, n <= len(ids) - 1 tokens of it (the last
+        prompt token is always prefilled: its logits start the generation); (0, None) when nothing is shared."""
+        best_n, best = 0, None
+        hashes = self.block_hashes(ids)
+        for j in range(len(hashes), 0, -1):              # the longest block-aligned prefix held by some entry
+            for eid in self.index.get(hashes[j - 1], ()):
+                seq = self.entries[eid][0]
+                n = j * self.BLOCK
+                if seq[:n] != tuple(ids[:n]):            # a hash collision
+                    continue
+                while n < min(len(seq), len(ids)) and seq[n] == ids[n]:
+                    n += 1
+                if n > best_n:
+                    best_n, best = n, eid
+            if best is not None:
+                break
+        if best is None:
+            return 0, None
+        self.entries.move_to_end(best)                   # recently used
+        return min(best_n, len(ids) - 1), best
+
+    def get(self, eid) -> tuple:
+        return self.entries[eid]
+
+    def insert(self, ids: list[int], k: torch.Tensor, v: torch.Tensor):
+        """Hold ids' keys and values k, v (layers, nkv, len(ids), hd), evicting the oldest entries past max_tokens."""
+        n = len(ids)
+        if n < self.BLOCK or n > self.max_tokens:       # too short to be found, or larger than the whole budget
+            return
+        eid, self.next_id = self.next_id, self.next_id + 1
+        self.entries[eid] = (tuple(ids), k, v)
+        for h in self.block_hashes(ids):
+            self.index.setdefault(h, set()).add(eid)
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            self.remove(next(iter(self.entries)))
+
+    def remove(self, eid):
+        seq, _, _ = self.entries.pop(eid)
+        self.tokens -= len(seq)
+        for h in self.block_hashes(seq):
+            held = self.index[h]
+            held.discard(eid)
+            if not held:
+                del self.index[h]
+
+    def clear(self):
+        self.entries.clear()
+        self.index.clear()
+        self.tokens = 0
+
+
+# -----------------------------------------------------------------------------
 # the engines
 
 class TorchEngine:
@@ -140,12 +232,28 @@ class TorchEngine:
     Deterministic for a fixed (prompts, params, max_batch_size) when params.seed is set: one torch.Generator
     drives the whole call. Finished rows ride along (their extra tokens are dropped) until a quarter of the
     batch has finished; then they are removed from the batch and the KV cache.
+
+    prefix_cache_tokens > 0 keeps the keys and values of every sequence generated, up to that many positions
+    (PrefixCache): a prompt that starts with one of them prefills only the rest, so a multi-turn episode's turn
+    prefills its new observation instead of the whole conversation. The sampled tokens are the same as without it;
+    the log-probs agree to float rounding (the cached keys were computed in another batch layout). Off by default.
+    prefilled_tokens and prompt_tokens count the prompt tokens run through the model and those asked for.
     """
 
-    def __init__(self, model: Transformer, pad_id: int, max_batch_size: int = 256):
+    def __init__(self, model: Transformer, pad_id: int, max_batch_size: int = 256, prefix_cache_tokens: int = 0):
         self.model = model
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.cache_version = None       # the weights' version the prefix cache's keys and values were computed with
+        self.prefilled_tokens = 0       # prompt tokens prefilled (distinct prompts; padding not counted)
+        self.prompt_tokens = 0          # prompt tokens asked for (distinct prompts), prefilled or found in the cache
+
+    def _weights_version(self) -> tuple:
+        """Changes whenever a parameter is written in place (an optimizer step, a push, load_state_dict: every
+        in-place op bumps a tensor's _version) or replaced: cached keys and values are stale from then on. Covers a
+        model the learner shares, which is updated without update_weights being called."""
+        return tuple((id(p), p._version) for p in self.model.parameters())
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -154,6 +262,9 @@ class TorchEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
+        if self.prefix_cache is not None and self.cache_version != self._weights_version():
+            self.prefix_cache.clear()
+            self.cache_version = self._weights_version()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -164,27 +275,56 @@ class TorchEngine:
             self.model.train(was_training)  # the learner may share this model
         return out
 
+    def _prefill_layout(self, distinct: list[tuple], N: int, device) -> tuple:
+        """The batch's KV cache with each prompt's cached prefix in place -> (cache, ids (D, S) the tokens left to
+        prefill, real (D, C + S + N) the key padding mask, C).
+
+        Columns [0, C) hold the cached prefixes, right-aligned (C = the longest); columns [C, C + S) the tokens to
+        prefill, right-aligned (S = the longest rest); then N columns for generation. A row's cached prefix and its
+        rest may have padding between them: the mask hides it, and positions count real tokens only. Without a
+        prefix cache (or without a hit), C = 0 and S = the longest prompt: plain left padding."""
+        D, cfg = len(distinct), self.model.cfg
+        hits = [self.prefix_cache.lookup(list(p)) if self.prefix_cache is not None else (0, None) for p in distinct]
+        C = max(n for n, _ in hits)
+        S = max(len(p) - n for p, (n, _) in zip(distinct, hits))
+        ids = torch.full((D, S), self.pad_id, dtype=torch.long)
+        real = torch.zeros(D, C + S + N, dtype=torch.bool)   # key padding mask over the cache; generated = real
+        for i, (p, (n, _)) in enumerate(zip(distinct, hits)):
+            ids[i, S - (len(p) - n):] = torch.tensor(p[n:], dtype=torch.long)
+            real[i, C - n:C] = True
+            real[i, C + S - (len(p) - n):] = True              # the rest, then every generated token
+        cache = KVCache(cfg, D, C + S + N, dtype=self.model.lm_head.weight.dtype, device=device)
+        for i, (n, eid) in enumerate(hits):
+            if n:
+                _, k, v = self.prefix_cache.get(eid)
+                for layer in range(cfg.num_hidden_layers):
+                    cache.k[layer][i, :, C - n:C] = k[layer, :, :n]
+                    cache.v[layer][i, :, C - n:C] = v[layer, :, :n]
+        # every row of this call stores its own sequence when the call ends, which holds the n tokens it took; what
+        # an entry held past them (a generation the agent cut to its budget) is dropped with it
+        for eid in {eid for n, eid in hits if n}:
+            self.prefix_cache.remove(eid)
+        cache.pos = C
+        self.prompt_tokens += sum(len(p) for p in distinct)
+        self.prefilled_tokens += sum(len(p) - n for p, (n, _) in zip(distinct, hits))
+        return cache, ids.to(device), real.to(device), C
+
     def _generate_batch(self, prompts, params, generator, device) -> list[Generation]:
-        B, L, N = len(prompts), max(len(p) for p in prompts), params.max_tokens
+        B, N = len(prompts), params.max_tokens
         if N == 0:
             return [Generation([], [], "length") for _ in prompts]
         # Prefill each distinct prompt once (the n samples of a prompt share it), then copy its cache rows.
-        distinct = {tuple(p): None for p in prompts}                       # insertion-ordered set
+        distinct = list({tuple(p): None for p in prompts})                 # insertion-ordered set
         index = {p: i for i, p in enumerate(distinct)}
         source = torch.tensor([index[tuple(p)] for p in prompts], device=device)  # (B,) row -> distinct prompt
         # left padding keeps every row's next token in the same column
-        ids = torch.full((len(distinct), L), self.pad_id, dtype=torch.long)
-        real = torch.zeros(len(distinct), L + N, dtype=torch.bool)  # key padding mask over the cache; generated = real
-        for i, p in enumerate(distinct):
-            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            real[i, L - len(p):] = True
-        ids, real = ids.to(device), real.to(device)
-        positions = (real[:, :L].long().cumsum(-1) - 1).clamp(min=0)  # each row counts from its first real token
-        cache = KVCache(self.model.cfg, len(distinct), L + N, dtype=self.model.lm_head.weight.dtype, device=device)
+        cache, ids, real, C = self._prefill_layout(distinct, N, device)   # (D, S), (D, C + S + N)
+        S = ids.shape[1]
+        positions = (real[:, :C + S].long().cumsum(-1) - 1).clamp(min=0)[:, C:]  # (D, S) counting real tokens only
         # only the last position's logits are needed, so the lm_head skips the rest
         h = self.model.hidden_states(ids, positions, real, cache)[source, -1:]  # (B, 1, H)
         cache.keep_rows(source)
-        real, next_pos = real[source], positions[source, -1:] + 1      # (B, L + N), (B, 1)
+        real, next_pos = real[source], positions[source, -1:] + 1      # (B, C + S + N), (B, 1)
 
         stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((B, N), self.pad_id, dtype=torch.long, device=device)  # (B, N)
@@ -192,6 +332,7 @@ class TorchEngine:
         lengths = torch.full((B,), N, dtype=torch.long, device=device)              # (B,)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)                   # (B,)
         rows = torch.arange(B, device=device)  # (b,) the original row of each row still in the batch
+        kept = {}                              # row -> its keys and values, for the prefix cache
         for t in range(N):
             logits = self.model.lm_head(h[:, -1])                     # (b, V)
             tok, lp = sample_tokens(logits, params.temperature, params.top_p, generator)  # (b,), (b,)
@@ -207,14 +348,36 @@ class TorchEngine:
                 # a quarter of the batch has finished: drop those rows, so a few long samples do not
                 # drag the whole batch (and its KV cache) through every remaining step
                 keep = live.nonzero().squeeze(1)                      # (b',)
+                if self.prefix_cache is not None:
+                    kept.update(self._row_kv(cache, real, rows, (~live).nonzero().squeeze(1), C + S))
                 rows, tok, real, next_pos = rows[keep], tok[keep], real[keep], next_pos[keep]
                 cache.keep_rows(keep)
             h = self.model.hidden_states(tok[:, None], next_pos + t, real, cache)  # (b, 1, H)
 
+        if self.prefix_cache is not None:
+            kept.update(self._row_kv(cache, real, rows, torch.arange(len(rows), device=device), C + S))
         lengths, stopped = lengths.tolist(), stopped.tolist()
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        for row, (k, v, fed) in kept.items():
+            # the positions computed: the prompt and the sampled tokens fed back (at most the row's own tokens)
+            m = min(fed, lengths[row])
+            self.prefix_cache.insert(list(prompts[row]) + tokens[row][:m], k[:, :, :len(prompts[row]) + m],
+                                     v[:, :, :len(prompts[row]) + m])
         return [Generation(tokens[i][:lengths[i]], logprobs[i][:lengths[i]], "stop" if stopped[i] else "length")
                 for i in range(B)]
+
+    @staticmethod
+    def _row_kv(cache: KVCache, real, rows, which, prompt_end: int) -> dict:
+        """{original row: (k, v (layers, nkv, n, hd), generated tokens fed)} of batch rows `which`: their real
+        positions only (cached prefix, prompt and generated tokens, without the padding between them)."""
+        fed = cache.pos - prompt_end                                  # generated tokens run through the model
+        out = {}
+        for r in which.tolist():
+            cols = real[r, :cache.pos].nonzero().squeeze(1)           # (n,)
+            k = torch.stack([layer[r][:, cols] for layer in cache.k])  # (layers, nkv, n, hd)
+            v = torch.stack([layer[r][:, cols] for layer in cache.v])
+            out[int(rows[r])] = (k, v, fed)
+        return out
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]):
@@ -229,9 +392,14 @@ class TorchEngine:
                          {k: p.shape for k, p in known.items() if k not in required})
         for k, v in state_dict.items():
             known[k].copy_(v)
+        if self.prefix_cache is not None:   # keys and values of the old weights (generate would also notice)
+            self.prefix_cache.clear()
 
     def sleep(self):
-        """Nothing to free: plain tensors, and the KV cache exists only inside generate."""
+        """Free the prefix cache (the learner may need the memory, and the weights are about to change); the
+        batch's KV cache exists only inside generate."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def wake_up(self):
         """See sleep."""
@@ -490,16 +658,18 @@ class OpenAIEngine:
 def make_engine(kind: str, model_dir: str, *, pad_id: int, model: Transformer | None = None, dtype: str = "float32",
                 seed: int = 0, max_model_len: int = 2048, max_batch_size: int = 256,
                 gpu_memory_utilization: float = 0.5, cache_dir: str | None = None, base_url: str = "",
-                served_model: str = ""):
+                served_model: str = "", prefix_cache_tokens: int = 0):
     """The engine of `kind` for the Hugging Face folder `model_dir` (config.py's engine_options(cfg) gives every
     keyword from a run's config):
-      torch   TorchEngine over `model` (the caller's own copy) or, when None, the folder loaded in `dtype`;
+      torch   TorchEngine over `model` (the caller's own copy) or, when None, the folder loaded in `dtype`, keeping
+              up to prefix_cache_tokens positions of keys and values between calls (0: none);
       vllm    VLLMEngine loading the folder (dtype, seed, max_model_len, max_batch_size sequences at once, its GPU
               share, its caches under cache_dir);
       openai  OpenAIEngine talking to base_url, which serves `served_model` (default: model_dir)."""
     if kind == "torch":
         model = model if model is not None else load_model(model_dir, dtype=getattr(torch, dtype)).eval()
-        return TorchEngine(model, pad_id=pad_id, max_batch_size=max_batch_size)
+        return TorchEngine(model, pad_id=pad_id, max_batch_size=max_batch_size,
+                           prefix_cache_tokens=prefix_cache_tokens)
     if kind == "vllm":
         return VLLMEngine(model_dir, dtype=dtype, seed=seed, cache_dir=cache_dir, max_model_len=max_model_len,
                           max_num_seqs=max_batch_size, gpu_memory_utilization=gpu_memory_utilization)

@@ -287,8 +287,10 @@ def build_learner(cfg: Config, model_dir: str, resume: str
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
-    model = shard_model(model, learner_cfg)           # one process: unchanged
+    model = shard_model(model, learner_cfg)           # one process: unsharded, on the GPU if there is one
     ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
+    if engine_model is not None:                      # where the learner computes: rank 0's GPU, or the CPU
+        engine_model.to(next(model.parameters()).device)
     policy = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
     if resume:
         policy = load_checkpoint(policy, resume)

@@ -637,3 +637,42 @@ def test_qwen25_assistant_content_none():
     messages = [U1, {"role": "assistant", "content": None, "tool_calls": [CALL_ADD]}, TOOL5]
     expected = jinja_render(QWEN25_CHAT_TEMPLATE, messages, TOOLS, add_generation_prompt=True)
     assert render(messages, TOOLS, add_generation_prompt=True) == expected
+
+
+class RetryEnv(CalcEnv):
+    """Never done: every turn gets the same short user message back, so episodes run to max_turns or the budget."""
+    name = "retry"
+
+    def step(self, state, action):
+        return replace(state, turn=state.turn + 1), [{"role": "user", "content": "Try again."}], 0.0, False, {}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_cache_keeps_trajectories_and_prefills_only_new_tokens(tok, temperature):
+    """Whole episodes through the agent loop with a random model, with and without TorchEngine's prefix cache: the
+    same trajectories token for token (log-probs to float rounding, 1e-5 in fp32), and far fewer tokens prefilled,
+    as LocalRollouts reports them."""
+    from model import ModelConfig, init_model
+    from rollout import TorchEngine
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = init_model(cfg, 0)
+    envs = {"retry": RetryEnv()}
+    tasks = [calc_task(i, i, 2 * i, env="retry") for i in range(3)]
+    agent_cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=300)
+    params = SamplingParams(temperature=temperature, max_tokens=12)
+    played = {}
+    for budget in (0, 50_000):
+        engine = TorchEngine(model, tok.token_to_id("<|endoftext|>"), prefix_cache_tokens=budget)
+        rollouts = agent.LocalRollouts(engine, envs, tok, agent_cfg)
+        played[budget] = rollouts.play(tasks, params, seed=5)
+    (plain, plain_m), (cached, cached_m) = played[0], played[50_000]
+    assert [t.token_ids for t in cached] == [t.token_ids for t in plain]
+    assert [t.loss_mask for t in cached] == [t.loss_mask for t in plain]
+    assert max(t.num_turns for t in plain) == 4
+    for a, b in zip(cached, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert plain_m["rollout/prefix_cached"] == 0.0
+    assert plain_m["rollout/prefilled_tokens"] > sum(len(t.token_ids) for t in plain) / len(plain)  # turns re-prefill
+    assert cached_m["rollout/prefilled_tokens"] < plain_m["rollout/prefilled_tokens"] / 2
+    assert cached_m["rollout/prefix_cached"] > 0.5
