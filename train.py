@@ -214,7 +214,8 @@ def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched against
 # torch.cuda.get_device_name() in this order (the first name that is a substring wins)
 GPU_PEAK_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                  ("L4", 121e12), ("A10", 125e12), ("V100", 125e12)]
+                  ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
+                  ("V100", 125e12)]
 
 
 @functools.lru_cache(maxsize=None)

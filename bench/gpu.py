@@ -27,8 +27,8 @@ in bf16 (--dtype; fp32 by default with --tiny):
 MFU = model FLOPs / seconds / peak FLOPs. Model FLOPs of a step, after PaLM (Chowdhery et al. 2022, appendix B,
 https://arxiv.org/abs/2204.02311): 6 N + 12 L H T per token, N the parameters in matmuls (the lm_head counted even
 when tied, the embedding lookup not), L layers, H = heads x head_dim, T the sequence length; recomputation under
-gradient checkpointing is not counted (it is work, not progress). Peak FLOPs: a table of dense bf16 peaks by GPU
-name (--peak-tflops overrides); on a CPU, the measured speed of a large matmul in the dtype. Peak memory: CUDA's
+gradient checkpointing is not counted (it is work, not progress): model.train_flops, as perf/mfu. Peak FLOPs:
+train.peak_flops, a table of dense bf16 peaks by GPU name (--peak-tflops overrides); on a CPU, a measured matmul. Peak memory: CUDA's
 max_memory_allocated after a reset, or the process's peak RSS on a CPU (which only grows).
 Prints one markdown table per section; --json writes every figure.
 """
@@ -36,7 +36,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -48,8 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, train_step  # noqa: E402
-from model import ModelConfig, init_model, save_model  # noqa: E402
+from model import ModelConfig, init_model, save_model, train_flops  # noqa: E402
 from rollout import SamplingParams, TorchEngine, default_sync_threshold, logprob_gap  # noqa: E402
+from train import GPU_PEAK_FLOPS, peak_flops, peak_memory_gib  # noqa: E402
 
 # Qwen2.5-0.5B / 1.5B's config.json sizes (tied embeddings, q/k/v biases, rope_theta 1e6); the tiny ones stand in
 # for them on a CPU
@@ -63,9 +63,6 @@ SHAPES = {
     "tiny-b": dict(vocab_size=768, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
-# dense bf16 tensor-core peaks (no sparsity), TFLOPS, by a substring of torch.cuda.get_device_name()
-PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0,
-               "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0, "V100": 125.0}
 # the sizes of each run: GPU (full) and CPU (tiny)
 SIZES = {
     "full": dict(gen_rows=64, prompt_len=256, new_tokens=128, repeats=3, train_rows=16, train_len=1024,
@@ -85,37 +82,15 @@ def reset_peak(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_gib(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # Linux: KiB
-
-
-def peak_flops(device, dtype, override_tflops: float) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure comes from)."""
+def peak_flops_and_source(device, override_tflops: float) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure comes from): train.peak_flops, the same table and measurement as perf/mfu."""
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_TFLOPS.items():            # longest names first where they overlap (H100 PCIe)
-            if key in name:
-                return tflops * 1e12, f"table ({name})"
-        raise SystemExit(f"no peak FLOPs known for {name!r}: pass --peak-tflops")
-    a = torch.randn(1024, 1024, dtype=dtype)
-    a @ a                                                   # warm-up
-    t0, n = time.perf_counter(), 8
-    for _ in range(n):
-        a @ a
-    return n * 2 * 1024**3 / (time.perf_counter() - t0), "measured 1024^3 matmul on this CPU"
-
-
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 N + 12 L H T (PaLM, appendix B): N matmul parameters (lm_head included, embedding lookup not)."""
-    hd, L, h = cfg.head_dim, cfg.num_hidden_layers, cfg.hidden_size
-    attn = h * hd * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)     # q, o and k, v projections
-    mlp = 3 * h * cfg.intermediate_size
-    n = L * (attn + mlp) + cfg.vocab_size * h
-    return 6 * n + 12 * L * cfg.num_attention_heads * hd * seq_len
+    if device.type != "cuda":
+        return peak_flops(device), "a matmul measured on this CPU"
+    name = torch.cuda.get_device_name(device)
+    known = any(key in name for key, _ in GPU_PEAK_FLOPS)
+    return peak_flops(device), f"table ({name})" if known else f"measured bf16 matmul ({name} is not in the table)"
 
 
 def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -198,7 +173,7 @@ def bench_decode(model, tmp: str, device, dtype, size: dict) -> dict:
             if r:
                 seconds[side].append(time.perf_counter() - t0)
                 if device.type == "cuda":
-                    extra[side] = max(extra.get(side, 0.0), peak_gib(device) - base / 2**30)
+                    extra[side] = max(extra.get(side, 0.0), peak_memory_gib(device) - base / 2**30)
     out = {f"decode_{side}_tokens_per_s": len(prompts) * N / statistics.median(ts) for side, ts in seconds.items()}
     out.update({f"decode_{side}_extra_peak_gib": p for side, p in extra.items()})
     if transformers is not None:
@@ -215,7 +190,7 @@ def bench_learner(model, device, peak: float, size: dict) -> dict:
     mask = torch.zeros(B, T)
     mask[:, T // 4:] = 1.0                                                         # (B, T) a prompt, then the response
     adv = torch.randn(B, 1, generator=g).expand(B, T) * mask                       # (B, T) one advantage per row
-    flops = model_flops_per_token(model.cfg, T) * B * T
+    flops = train_flops(model, [T] * B)
     out = {}
     for gc in (False, True):
         cfg = LearnerConfig(lr=1e-6, micro_batch_size=size["micro_batch"], gradient_checkpointing=gc)
@@ -234,7 +209,7 @@ def bench_learner(model, device, peak: float, size: dict) -> dict:
         sec = statistics.median(times)
         tag = "gc" if gc else "no_gc"
         out.update({f"learner_{tag}_tokens_per_s": B * T / sec, f"learner_{tag}_mfu": flops / sec / peak,
-                    f"learner_{tag}_peak_gib": peak_gib(device), f"learner_{tag}_seconds": sec})
+                    f"learner_{tag}_peak_gib": peak_memory_gib(device), f"learner_{tag}_seconds": sec})
         del state
     model.gradient_checkpointing = False
     return out
@@ -312,7 +287,7 @@ def main(argv=None) -> dict:
     size = SIZES["tiny" if tiny else "full"]
     args.dtype = args.dtype or ("float32" if tiny else "bfloat16")
     dtype = getattr(torch, args.dtype)
-    peak, peak_source = peak_flops(device, dtype, args.peak_tflops)
+    peak, peak_source = peak_flops_and_source(device, args.peak_tflops)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench/gpu.py on {where}, torch {torch.__version__}, {args.dtype}, peak {peak / 1e12:.3g} TFLOPS "
           f"({peak_source}), sizes {size}", flush=True)
