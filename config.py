@@ -79,9 +79,12 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"               # a preset (ALGO_PRESETS below): grpo|drgrpo|rloo|dapo|gspo|sapo|ppo. It sets
-                                     # the defaults of the knobs it names; YAML and command line still win
-    advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages) or gae (critic)
+    name: str = "grpo"               # a preset (ALGO_PRESETS below): grpo|drgrpo|rloo|dapo|gspo|sapo|cispo|gmpo|
+                                     # reinforce_pp|reinforce_pp_baseline|ppo. It sets the defaults of the knobs it
+                                     # names; YAML and command line still win
+    advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages), reinforce_pp|
+                                     # reinforce_pp_baseline (batch-whitened returns, algos.reinforce_pp_advantages;
+                                     # with algo.kl_in_reward the KL is a per-token reward) or gae (critic)
     skip_uniform_batches: bool = True  # no update when no group has mixed rewards (all advantages are 0)
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_refill_rounds: int = 3       # extra rollout rounds at most per step when dynamic_sampling is on
@@ -89,7 +92,7 @@ class AlgoConfig:
                                      # penalty ramps from 0 to -1 (0: off; algos.overlong_penalty)
     kl_in_reward: bool = False       # subtract learner.kl_coef * KL(policy || ref) from the reward instead of
                                      # adding it to the loss (needs learner.kl_coef > 0)
-    gamma: float = 1.0               # GAE discount (ppo)
+    gamma: float = 1.0               # discount over tokens: GAE (ppo) and REINFORCE++'s returns
     lam: float = 1.0                 # GAE lambda (ppo)
     critic_lr: float = 1e-4          # critic AdamW learning rate (ppo)
     value_clip: float = 0.2          # clip of the value update around the old values (ppo; algos.value_loss)
@@ -104,7 +107,11 @@ ALGO_PRESETS: dict[str, dict] = {
     "dapo": {"learner.policy_loss": "dapo", "algo.dynamic_sampling": True,  # DAPO, 2503.14476
              "algo.overlong_cache": 64},
     "gspo": {"learner.policy_loss": "gspo", "learner.loss.agg_mode": "seq-mean-token-mean"},  # GSPO, 2507.18071
-    "sapo": {"learner.policy_loss": "sapo"},                               # SAPO (Qwen)
+    "sapo": {"learner.policy_loss": "sapo"},                               # SAPO (Qwen), 2511.20347
+    "cispo": {"learner.policy_loss": "cispo"},                             # CISPO (MiniMax-M1), 2506.13585
+    "gmpo": {"learner.policy_loss": "gmpo", "learner.loss.agg_mode": "seq-mean-token-mean"},  # GMPO, 2507.20673
+    "reinforce_pp": {"algo.advantage": "reinforce_pp"},                    # REINFORCE++, 2501.03262
+    "reinforce_pp_baseline": {"algo.advantage": "reinforce_pp_baseline"},  # REINFORCE++-baseline, 2501.03262
     "ppo": {"algo.advantage": "gae"},                                      # PPO with a critic, 1707.06347
 }
 
@@ -172,6 +179,7 @@ class Config:
 # filling the tree: dict -> dataclass, with type checks and helpful errors
 
 ENGINE_KINDS = ("torch", "vllm", "openai")      # rollout.make_engine's kinds
+ADVANTAGE_KINDS = algos.GROUP_ADVANTAGE_KINDS + ("reinforce_pp", "reinforce_pp_baseline", "gae")  # train.compute_advantages
 
 
 def _did_you_mean(word, choices) -> str:
@@ -286,7 +294,7 @@ def _yaml(text: str, where: str):
 def validate(cfg: Config) -> Config:
     """Choices that are strings are checked here, before anything is built, not at their first use."""
     choices = [
-        ("algo.advantage", cfg.algo.advantage, algos.GROUP_ADVANTAGE_KINDS + ("gae",)),
+        ("algo.advantage", cfg.algo.advantage, ADVANTAGE_KINDS),
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
         ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
         ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
@@ -301,8 +309,8 @@ def validate(cfg: Config) -> Config:
             raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
     if cfg.learner.loss.agg_mode == "seq-mean-token-sum-norm" and not cfg.learner.loss.agg_norm:
         raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm needs learner.loss.agg_norm (a constant)")
-    if cfg.algo.advantage != "gae" and cfg.rollout.agent.n_samples < 2:
-        raise ValueError("group advantages need rollout.agent.n_samples >= 2")
+    if cfg.algo.advantage not in ("gae", "reinforce_pp") and cfg.rollout.agent.n_samples < 2:
+        raise ValueError(f"algo.advantage={cfg.algo.advantage} is a group baseline: it needs rollout.agent.n_samples >= 2")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
     if cfg.rollout.async_rollouts and cfg.learner.tis_cap <= 0:

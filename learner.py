@@ -59,7 +59,7 @@ class LearnerConfig:
     temperature: float = 1.0              # log-probs are of softmax(logits / temperature), as sampled
     logprob_chunk_size: int = 256         # tokens per chunk when turning hidden states into log-probs
     gradient_checkpointing: bool = False  # recompute decoder layers in backward to save activations
-    policy_loss: str = "ppo"              # algos.policy_loss kind: ppo|dual_clip|dapo|gspo|gspo_token|sapo
+    policy_loss: str = "ppo"              # algos.policy_loss kind: ppo|dual_clip|dapo|gspo|gspo_token|sapo|cispo|gmpo
     loss: algos.PolicyLossConfig = field(default_factory=algos.PolicyLossConfig)  # clip ranges, aggregation
     kl_coef: float = 0.0                  # weight of the KL(policy || reference) term in the loss (0: off)
     kl_kind: str = "k3"                   # estimator for that term: k1|k2|k3

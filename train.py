@@ -7,7 +7,7 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    (agent.py). DAPO's dynamic sampling drops groups whose rewards are all equal and samples more.
   2. advantages    compute_advantages: the episode reward (+ DAPO's overlong penalty, - a KL to the reference
                    when algo.kl_in_reward), then a group baseline broadcast to the episode's sampled tokens (GRPO,
-                   Dr.GRPO, RLOO), or GAE over a critic's values (PPO). It also scores the batch before the update:
+                   Dr.GRPO, RLOO), returns whitened over the batch (REINFORCE++), or GAE over a critic's values (PPO). It also scores the batch before the update:
                    the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
@@ -158,6 +158,10 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         adv = algos.whiten(adv, mask)
         values = ValueBatch(batch.input_ids, mask, old_values, returns)
         informative = True
+    elif cfg.algo.advantage.startswith("reinforce_pp"):                            # REINFORCE++: KL per token
+        G = G if cfg.algo.advantage == "reinforce_pp_baseline" else None           # baseline: the group mean
+        adv = algos.reinforce_pp_advantages(rewards, token_kl, mask, lc.kl_coef, cfg.algo.gamma, G)  # (B, T)
+        informative = bool((adv != 0).any())                                       # whitened over the batch
     else:                                                                          # a group baseline
         if token_kl is not None:
             rewards -= lc.kl_coef * token_kl.sum(1)

@@ -91,6 +91,24 @@ def test_algo_presets_set_defaults_that_explicit_keys_override():
     assert cfg.learner.policy_loss == "gspo" and cfg.learner.loss.agg_mode == "token-mean"
 
 
+@pytest.mark.parametrize("name, policy_loss, advantage, agg_mode", [
+    ("cispo", "cispo", "grpo", "token-mean"),
+    ("gmpo", "gmpo", "grpo", "seq-mean-token-mean"),                 # GMPO's objective is one term per sequence
+    ("reinforce_pp", "ppo", "reinforce_pp", "token-mean"),
+    ("reinforce_pp_baseline", "ppo", "reinforce_pp_baseline", "token-mean"),
+])
+def test_frontier_presets(name, policy_loss, advantage, agg_mode):
+    cfg = load_config(None, [f"algo.name={name}"])
+    assert (cfg.learner.policy_loss, cfg.algo.advantage, cfg.learner.loss.agg_mode) == (policy_loss, advantage, agg_mode)
+
+
+def test_reinforce_pp_alone_needs_no_group():
+    """REINFORCE++ whitens over the batch, so one sample per prompt is enough; its -baseline variant is a group mean."""
+    assert load_config(None, ["algo.name=reinforce_pp", "rollout.agent.n_samples=1"]).rollout.agent.n_samples == 1
+    with pytest.raises(ValueError, match="n_samples"):
+        load_config(None, ["algo.name=reinforce_pp_baseline", "rollout.agent.n_samples=1"])
+
+
 def test_bad_yaml_is_one_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("steps: [1,\nlearner: {lr: 1\n")

@@ -114,7 +114,8 @@ def test_keep_checkpoints_removes_old_ones_after_the_new_one(tiny):
     assert sorted(os.listdir(os.path.join(run["run_dir"], "checkpoints"))) == ["step_2", "step_3"]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "sapo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "sapo", "cispo", "gmpo", "reinforce_pp",
+                                  "reinforce_pp_baseline", "ppo"])
 def test_every_algorithm_runs_in_the_loop(tiny, algo):
     """algo.name selects the whole algorithm; each one makes real updates in main() (the learning itself
     is measured by bench/algos.py)."""
