@@ -72,8 +72,8 @@ class RolloutConfig:
     judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
                                      # envs that have a judge (tau_lite); held-out evals never use it
     async_rollouts: bool = False     # one-step off-policy: the engine generates step k+1's batch (with the weights
-                                     # before update k) while the learner trains on batch k; needs learner.tis_cap
-                                     # > 0 to correct for it (rollout/staleness logs how old each batch's policy is)
+                                     # before update k) while the learner trains on batch k; needs learner.off_policy
+                                     # (tis or mis) to correct for it (rollout/staleness: how old each batch's policy is)
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
@@ -298,6 +298,8 @@ def validate(cfg: Config) -> Config:
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
         ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
         ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
+        ("learner.off_policy.kind", cfg.learner.off_policy.kind, algos.OFF_POLICY_KINDS),
+        ("learner.off_policy.level", cfg.learner.off_policy.level, algos.OFF_POLICY_LEVELS),
         ("rollout.engine", cfg.rollout.engine, ENGINE_KINDS),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
@@ -313,9 +315,13 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"algo.advantage={cfg.algo.advantage} is a group baseline: it needs rollout.agent.n_samples >= 2")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
-    if cfg.rollout.async_rollouts and cfg.learner.tis_cap <= 0:
-        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.tis_cap "
-                         "(e.g. 2.0) so truncated importance sampling corrects for them")
+    off = cfg.learner.off_policy
+    if off.kind == "tis" and off.tis_cap <= 0 or off.kind == "mis" and not 0 < off.mis_low <= 1 <= off.mis_high:
+        raise ValueError(f"learner.off_policy needs tis_cap > 0 (tis) and 0 < mis_low <= 1 <= mis_high (mis), got "
+                         f"tis_cap={off.tis_cap}, mis_low={off.mis_low}, mis_high={off.mis_high}")
+    if cfg.rollout.async_rollouts and off.kind == "none":
+        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
+                         "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects for them")
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")
@@ -354,6 +360,11 @@ def validate_ray(cfg: Config):
         raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
 
 
+# keys that were moved: the error says where to, since a did-you-mean cannot guess it
+RENAMED = {"learner.tis_cap": "use learner.off_policy.kind=tis and learner.off_policy.tis_cap=<cap> (the same weights, "
+                              "min(pi_old / pi_engine, cap) per token)"}
+
+
 def _set_path(d: dict, dotted: str, value):
     *parents, last = dotted.split(".")
     for p in parents:
@@ -368,6 +379,8 @@ def _merge(base: dict, patch: dict, prefix: str):
             base[int(k)] = _merge_value(base[int(k)], v, f"{prefix}{k}")
             continue
         if k not in base:
+            if prefix + str(k) in RENAMED:
+                raise KeyError(f"config key '{prefix}{k}' was renamed: {RENAMED[prefix + str(k)]}")
             hint = _did_you_mean(prefix + str(k), [prefix + b for b in base])
             raise KeyError(f"unknown config key '{prefix}{k}'{hint}")
         base[k] = _merge_value(base[k], v, f"{prefix}{k}")

@@ -64,9 +64,11 @@ class LearnerConfig:
     kl_coef: float = 0.0                  # weight of the KL(policy || reference) term in the loss (0: off)
     kl_kind: str = "k3"                   # estimator for that term: k1|k2|k3
     entropy_coef: float = 0.0             # weight of an entropy bonus (0: entropy is only logged)
-    tis_cap: float = 0.0                  # > 0: truncated importance sampling against the engine's log-probs
-                                          # (algos.truncated_is_weights), each token's loss weighted by
-                                          # min(pi_old / pi_engine, tis_cap); needed by rollout.async_rollouts
+    off_policy: algos.OffPolicyConfig = field(default_factory=algos.OffPolicyConfig)  # correction for samples from
+                                          # the engine's policy mu, not pi_old (algos.off_policy_weights): kind
+                                          # none|tis|mis, level token|sequence, tis_cap, mis_low/mis_high; each
+                                          # token's loss is weighted by it. none (default): no weight, the mismatch
+                                          # is only measured; rollout.async_rollouts needs tis or mis
     mixed_precision: bool = True          # under torchrun on GPUs: bf16 params/compute, fp32 gradient reduction
                                           # (FSDP2 MixedPrecisionPolicy); ignored on CPU and in one process
     lora_rank: int = 0                    # LoRA rank r (0: off, every parameter trains)
@@ -93,7 +95,7 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # (B, T) pi_old, the ratio's denominator: the learner's log-probs of the
                                           # batch before this update (compute_logprobs); required by train_step
     engine_logprobs: torch.Tensor | None = None  # (B, T) the log-probs of the engine that sampled the tokens (the
-                                          # behaviour policy); used only when cfg.tis_cap > 0
+                                          # behaviour policy); for cfg.off_policy (its weights and metrics)
     ref_logprobs: torch.Tensor | None = None  # (B, T) the frozen reference policy's log-probs; used only when
                                           # cfg.kl_coef > 0 (the KL term of the loss)
 
@@ -359,12 +361,15 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     old = batch.old_logprobs
     if old is None:
         raise ValueError("train_step needs batch.old_logprobs: score the batch first (compute_logprobs)")
-    tis, tis_metrics = None, {}
-    if cfg.tis_cap > 0:
-        if batch.engine_logprobs is None:
-            raise ValueError("learner.tis_cap > 0 needs the engine's log-probs (TrainBatch.engine_logprobs)")
-        tis, tis_metrics = algos.truncated_is_weights(old, batch.engine_logprobs.to(old.device), mask.to(old.device),
-                                                      cfg.tis_cap)                # (B, T)
+    tis, tis_metrics = None, {}                   # off-policy weights (B, T) over the whole batch: a sequence's
+    if batch.engine_logprobs is not None:         # weight needs all its tokens, whatever the micro-batches
+        tis, tis_metrics = algos.off_policy_weights(old, batch.engine_logprobs.to(old.device), mask.to(old.device),
+                                                    cfg.off_policy)
+        if cfg.off_policy.kind == "none":        # measured only: the loss untouched, the mismatch KL logged
+            tis, tis_metrics = None, {k: v for k, v in tis_metrics.items() if k.startswith("mismatch_kl")}
+    elif cfg.off_policy.kind != "none":
+        raise ValueError(f"learner.off_policy.kind={cfg.off_policy.kind} needs the engine's log-probs "
+                         "(TrainBatch.engine_logprobs)")
     ref = batch.ref_logprobs
     if cfg.kl_coef > 0 and ref is None:
         raise ValueError("learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)")

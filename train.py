@@ -89,7 +89,7 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
 class Prefetcher:
     """Where each step's batch comes from: sampled when the step begins, from the current weights; or, with
     rollout.async_rollouts, sampled in a background thread from the weights before update k while the learner
-    trains on batch k (one step off-policy, corrected by learner.tis_cap). A batch's `version` is the number of
+    trains on batch k (one step off-policy, corrected by learner.off_policy). A batch's `version` is the number of
     updates its weights had seen: rollout/staleness = updates between those weights and the ones it trains."""
 
     def __init__(self, collect, steps: int, enabled: bool, pending=None):

@@ -102,6 +102,21 @@ def test_frontier_presets(name, policy_loss, advantage, agg_mode):
     assert (cfg.learner.policy_loss, cfg.algo.advantage, cfg.learner.loss.agg_mode) == (policy_loss, advantage, agg_mode)
 
 
+def test_off_policy_block_is_checked_and_tis_cap_says_where_it_went():
+    cfg = load_config(None, ["learner.off_policy.kind=mis", "learner.off_policy.level=sequence"])
+    assert (cfg.learner.off_policy.kind, cfg.learner.off_policy.mis_low) == ("mis", 0.5)
+    assert Config().learner.off_policy.kind == "none"                # default: no correction, as before
+    with pytest.raises(KeyError, match=r"learner.tis_cap' was renamed: use learner.off_policy.kind=tis and "
+                                       r"learner.off_policy.tis_cap"):
+        load_config(None, ["learner.tis_cap=2.0"])
+    with pytest.raises(ValueError, match="did you mean 'sequence'"):
+        load_config(None, ["learner.off_policy.level=sequense"])
+    with pytest.raises(ValueError, match="mis_low <= 1"):
+        load_config(None, ["learner.off_policy.kind=mis", "learner.off_policy.mis_low=1.5"])
+    with pytest.raises(ValueError, match="tis_cap > 0"):
+        load_config(None, ["learner.off_policy.kind=tis", "learner.off_policy.tis_cap=0"])
+
+
 def test_reinforce_pp_alone_needs_no_group():
     """REINFORCE++ whitens over the batch, so one sample per prompt is enough; its -baseline variant is a group mean."""
     assert load_config(None, ["algo.name=reinforce_pp", "rollout.agent.n_samples=1"]).rollout.agent.n_samples == 1

@@ -195,15 +195,15 @@ def test_async_one_step_off_policy_and_its_exact_resume(tiny):
     keeps the already generated next batch) ends bit-identical to the uninterrupted one."""
     # entropy_coef: every update moves the weights whatever the rewards (a batch of all-zero rewards has zero
     # advantages, and no gradient without it), so the batches after the first are off-policy for real
-    extra = ["steps=4", "eval_every=100", "rollout.async_rollouts=true", "learner.tis_cap=2.0",
-             "learner.entropy_coef=0.01"]
+    extra = ["steps=4", "eval_every=100", "rollout.async_rollouts=true", "learner.off_policy.kind=tis",
+             "learner.off_policy.tis_cap=2.0", "learner.entropy_coef=0.01"]
     full = main(tiny(*extra, "checkpoint_every=2", "run_name=async_full"))
     lines = [json.loads(l) for l in open(os.path.join(full["run_dir"], "metrics.jsonl"))][1:]
     assert [l["rollout/staleness"] for l in lines] == [0, 1, 1, 1]
-    assert all("train/tis_weight_mean" in l and l["sync/logprob_abs_diff"] < 1e-3 for l in lines)
+    assert all("train/offpolicy_weight_mean" in l and l["sync/logprob_abs_diff"] < 1e-3 for l in lines)
     assert all("perf/rollout_wait_seconds" in l for l in lines[:3]) and "perf/rollout_wait_seconds" not in lines[3]
     # off-policy for real: the engine's log-probs are not the learner's pi_old after the first step
-    assert lines[0]["train/behaviour_kl"] < 1e-8 < lines[1]["train/behaviour_kl"]
+    assert lines[0]["train/mismatch_kl_k3"] < 1e-8 < lines[1]["train/mismatch_kl_k3"]
     half = os.path.join(full["run_dir"], "checkpoints", "step_2")
     resumed = main(tiny(*extra, "run_name=async_resumed", f"resume={half}"))
     a = load_file(os.path.join(full["run_dir"], "final", "model.safetensors"))
@@ -216,6 +216,7 @@ def test_async_one_step_off_policy_and_its_exact_resume(tiny):
         assert x["train/pg_loss"] == y["train/pg_loss"] and y["rollout/staleness"] == 1
 
 
-def test_async_rollouts_need_truncated_is(tiny):
-    with pytest.raises(ValueError, match="tis_cap"):
+def test_async_rollouts_need_an_off_policy_correction(tiny):
+    with pytest.raises(ValueError, match="learner.off_policy.kind=tis"):
         tiny("rollout.async_rollouts=true")
+    tiny("rollout.async_rollouts=true", "learner.off_policy.kind=mis", "learner.off_policy.level=sequence")
