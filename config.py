@@ -85,6 +85,11 @@ class AlgoConfig:
     advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages), reinforce_pp|
                                      # reinforce_pp_baseline (batch-whitened returns, algos.reinforce_pp_advantages;
                                      # with algo.kl_in_reward the KL is a per-token reward) or gae (critic)
+    credit: str = "episode"          # episode: every sampled token gets its episode's advantage | turn: per-turn
+                                     # returns (the env's reward of each step, discounted by turn_gamma across turns)
+                                     # minus a leave-one-out group baseline per turn position, each turn's tokens get
+                                     # their turn's (algos.turn_advantages; replaces the group advantage's formula)
+    turn_gamma: float = 1.0          # credit=turn: discount across turns
     skip_uniform_batches: bool = True  # no update when no group has mixed rewards (all advantages are 0)
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_refill_rounds: int = 3       # extra rollout rounds at most per step when dynamic_sampling is on
@@ -313,6 +318,12 @@ def validate(cfg: Config) -> Config:
         raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm needs learner.loss.agg_norm (a constant)")
     if cfg.algo.advantage not in ("gae", "reinforce_pp") and cfg.rollout.agent.n_samples < 2:
         raise ValueError(f"algo.advantage={cfg.algo.advantage} is a group baseline: it needs rollout.agent.n_samples >= 2")
+    if cfg.algo.credit not in ("episode", "turn"):
+        raise ValueError(f"algo.credit={cfg.algo.credit!r} is not one of ['episode', 'turn']"
+                         f"{_did_you_mean(cfg.algo.credit, ('episode', 'turn'))}")
+    if cfg.algo.credit == "turn" and cfg.algo.advantage not in algos.GROUP_ADVANTAGE_KINDS:
+        raise ValueError(f"algo.credit=turn is a group baseline per turn: it cannot go with algo.advantage="
+                         f"{cfg.algo.advantage} (use grpo, drgrpo or rloo)")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
     off = cfg.learner.off_policy

@@ -7,7 +7,9 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    (agent.py). DAPO's dynamic sampling drops groups whose rewards are all equal and samples more.
   2. advantages    compute_advantages: the episode reward (+ DAPO's overlong penalty, - a KL to the reference
                    when algo.kl_in_reward), then a group baseline broadcast to the episode's sampled tokens (GRPO,
-                   Dr.GRPO, RLOO), returns whitened over the batch (REINFORCE++), or GAE over a critic's values (PPO). It also scores the batch before the update:
+                   Dr.GRPO, RLOO; with algo.credit=turn one baseline per turn position, each turn's tokens getting
+                   their turn's return minus it), returns whitened over the batch (REINFORCE++), or GAE over a
+                   critic's values (PPO). It also scores the batch before the update:
                    the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
@@ -16,7 +18,8 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
   5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
 Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
-episode (a multi-turn episode is one "response" with the observations masked out); batches without signal are
+episode (a multi-turn episode is one "response" with the observations masked out; algo.credit=turn credits
+each turn with its own return instead); batches without signal are
 skipped, not stepped with a zero gradient.
 
 Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
@@ -165,10 +168,25 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     else:                                                                          # a group baseline
         if token_kl is not None:
             rewards -= lc.kl_coef * token_kl.sum(1)
-        adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
-        informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+        if cfg.algo.credit == "turn":                                              # one per turn position
+            adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma)              # (B, T)
+            informative = bool((adv != 0).any())
+        else:
+            adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
+            informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
     return TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref), values, metrics, informative
+
+
+def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float) -> torch.Tensor:
+    """algo.credit=turn: each assistant turn's advantage (algos.turn_advantages, baseline per turn position), given to
+    that turn's sampled tokens -> (B, T). What `rewards` (B,) adds to the env's (the overlong penalty, a KL in the
+    reward) is counted on the episode's last turn, where it was earned."""
+    turn_rewards, turn_mask = batch.turn_rewards.clone(), batch.turn_mask                  # (B, K)
+    last = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)                # (B,) last turn taken
+    turn_rewards[torch.arange(len(rewards)), last] += rewards - batch.rewards
+    adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline="position")   # (B, K)
+    return algos.broadcast_turns(adv, batch.turn_index)                                   # (B, T)
 
 
 # -----------------------------------------------------------------------------

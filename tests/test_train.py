@@ -3,6 +3,7 @@ and writes what it promises, and a resumed run ends bit-identical to an uninterr
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import need
 
+import algos
 from config import load_config
 from train import main
 
@@ -128,6 +130,43 @@ def test_every_algorithm_runs_in_the_loop(tiny, algo):
         assert os.path.exists(os.path.join(summary["run_dir"], "final", "critic", "model.safetensors"))
     if algo == "dapo":
         assert all(l["rollout/rounds"] >= 1 for l in lines[1:])
+
+
+def test_turn_credit_in_the_loop(tiny):
+    """algo.credit=turn trains through main() on multi-turn toy math (tool call, then answer)."""
+    summary = main(tiny("steps=2", "eval_every=100", "run_name=turn_credit", "algo.credit=turn",
+                        "algo.advantage=rloo", "learner.entropy_coef=0.01"))
+    lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    assert all(l["train/updates"] >= 1 and l["train/grad_norm"] > 0 for l in lines[1:])
+    with pytest.raises(ValueError, match="algo.credit=turn"):
+        tiny("algo.credit=turn", "algo.name=ppo")
+
+
+def test_turn_credit_broadcasts_each_turns_advantage():
+    """train.turn_credit on a hand-made batch: one turn per episode is RLOO; with two turns each turn's tokens get
+    their own return minus the other episode's at that position; a penalty added to the episode reward lands on its
+    last turn."""
+    from agent import RolloutBatch
+    from train import turn_credit
+    # G = 2. Episode 0: turns at tokens 1-2 and 4, rewards [0.5, 1]; episode 1: one turn at tokens 1-3, reward 0.
+    turn_index = torch.tensor([[-1, 0, 0, -1, 1], [-1, 0, 0, 0, -1]])
+    mask = (turn_index >= 0).float()
+    rewards = torch.tensor([1.5, 0.0])
+    batch = RolloutBatch(input_ids=torch.zeros(2, 5, dtype=torch.long), loss_mask=mask, logprobs=torch.zeros(2, 5),
+                         rewards=rewards, turn_rewards=torch.tensor([[0.5, 1.0], [0.0, 0.0]]),
+                         turn_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]), turn_index=turn_index,
+                         group_ids=torch.zeros(2, dtype=torch.long), lengths=torch.tensor([5, 4]))
+    # returns (gamma 1): ep 0 [1.5, 1], ep 1 [0]; baselines: ep 0 [0, none -> 0], ep 1 [1.5]
+    torch.testing.assert_close(turn_credit(batch, rewards, 2, 1.0),
+                               torch.tensor([[0, 1.5, 1.5, 0, 1.0], [0, -1.5, -1.5, -1.5, 0]]))
+    # gamma 0.5: ep 0 turn 0 return 0.5 + 0.5 * 1 = 1; a -0.25 penalty on ep 0 goes to its turn 1
+    torch.testing.assert_close(turn_credit(batch, rewards - torch.tensor([0.25, 0.0]), 2, 0.5),
+                               torch.tensor([[0, 0.875, 0.875, 0, 0.75], [0, -0.875, -0.875, -0.875, 0]]))
+    one_turn = replace(batch, turn_rewards=torch.tensor([[1.5, 0.0], [0.0, 0.0]]), turn_mask=torch.tensor(
+        [[1.0, 0.0], [1.0, 0.0]]), turn_index=turn_index.clamp(max=0) - (turn_index < 0).long())
+    one_turn_mask = (one_turn.turn_index >= 0).float()
+    torch.testing.assert_close(turn_credit(one_turn, rewards, 2, 1.0),
+                               algos.group_advantages(rewards, 2, "rloo")[:, None] * one_turn_mask)
 
 
 def test_kl_in_reward_and_in_loss(tiny):
