@@ -276,7 +276,7 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
                     (the geometric mean of token ratios clipped in log space; mean over the row's valid tokens)
     GRPO is "ppo" with group advantages; the GSPO paper's averaging is agg_mode="seq-mean-token-mean".
     `weights` (B, T), optional and constant: each token's loss is multiplied by it before aggregation (the
-    truncated importance weights of truncated_is_weights, when the samples came from another policy).
+    off-policy weights of off_policy_weights, when the samples came from another policy).
     Returns (loss: 0-dim tensor with grad, metrics: dict of detached 0-dim tensors):
         clip_frac_low / clip_frac_high  share of tokens whose gradient a clip zeroed (below / above the band);
                                         for cispo, whose weight the clip capped (their gradient still flows)
