@@ -9,7 +9,8 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    when algo.kl_in_reward), then a group baseline broadcast to the episode's sampled tokens (GRPO,
                    Dr.GRPO, RLOO; with algo.credit=turn one baseline per turn position, each turn's tokens getting
                    their turn's return minus it), returns whitened over the batch (REINFORCE++), or GAE over a
-                   critic's values (PPO). It also scores the batch before the update:
+                   critic's values (PPO); plus, with algo.teacher_path, distill_coef * (log pi_teacher - log pi)
+                   per token (on-policy distillation). It also scores the batch before the update:
                    the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
@@ -130,11 +131,11 @@ class Prefetcher:
 # -----------------------------------------------------------------------------
 # 2. advantages (algorithm code: algos.py has the equations and the papers)
 
-def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, critic: LearnerState | None
-                       ) -> tuple[TrainBatch, ValueBatch | None, dict, bool]:
+def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, critic: LearnerState | None,
+                       teacher: torch.nn.Module | None = None) -> tuple[TrainBatch, ValueBatch | None, dict, bool]:
     """Rewards -> per-token advantages, and what the update scores against -> (TrainBatch, ValueBatch or None,
     metrics, whether any advantage is non-zero). The one owner of the log-probs before the update: the learner's
-    (pi_old) and the reference policy's (for the KL, in the reward or in the loss)."""
+    (pi_old), the reference policy's (for the KL, in the reward or in the loss) and the teacher's (distillation)."""
     lc, G, mask, metrics = cfg.learner, cfg.rollout.agent.n_samples, batch.loss_mask, {}
     rewards = batch.rewards.clone()                                                # (B,)
     if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
@@ -165,6 +166,8 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         G = G if cfg.algo.advantage == "reinforce_pp_baseline" else None           # baseline: the group mean
         adv = algos.reinforce_pp_advantages(rewards, token_kl, mask, lc.kl_coef, cfg.algo.gamma, G)  # (B, T)
         informative = bool((adv != 0).any())                                       # whitened over the batch
+    elif cfg.algo.advantage == "none":                                             # the teacher's term alone
+        adv, informative = torch.zeros_like(mask), False                           # (B, T)
     else:                                                                          # a group baseline
         if token_kl is not None:
             rewards -= lc.kl_coef * token_kl.sum(1)
@@ -174,6 +177,12 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         else:
             adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
             informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+    if teacher is not None:                                                        # on-policy distillation
+        teacher_logp = compute_logprobs(teacher, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                                        lc.logprob_chunk_size, mask)               # (B, T)
+        adv, m = algos.distillation_advantages(old, teacher_logp, mask, adv, cfg.algo.distill_coef)   # (B, T)
+        metrics["train/distill_reverse_kl"] = float(m["distill_reverse_kl"])
+        informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
     return TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref), values, metrics, informative
 
@@ -261,6 +270,19 @@ def build_learner(cfg: Config, model_dir: str, resume: str
     return policy, critic, engine_model
 
 
+def build_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
+    """algo.teacher_path's model, frozen and sharded like the policy, or None. It scores the student's token ids, so
+    its tokenizer must be the policy's."""
+    if not cfg.algo.teacher_path:
+        return None
+    vocab = Tokenizer.from_file(os.path.join(cfg.algo.teacher_path, "tokenizer.json")).get_vocab()
+    if vocab != tokenizer.get_vocab():
+        raise ValueError(f"algo.teacher_path={cfg.algo.teacher_path!r} has another tokenizer than the policy: it must "
+                         "score the very token ids the policy sampled")
+    teacher = load_model(cfg.algo.teacher_path, dtype=getattr(torch, cfg.model.dtype)).requires_grad_(False).eval()
+    return shard_model(teacher, cfg.learner)
+
+
 def learner_configs(cfg: Config) -> tuple:
     """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
     policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
@@ -302,6 +324,7 @@ def main(cfg: Config) -> dict:
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     policy, critic, engine_model = build_learner(cfg, model_dir, resume)
+    teacher = build_teacher(cfg, tokenizer)       # None unless on-policy distillation
     weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
     rollouts = envs = eval_tasks = None
     if is_main():
@@ -330,7 +353,7 @@ def main(cfg: Config) -> dict:
         # 2. advantages, 3. update (the engine asleep: on a GPU its memory is the learner's meanwhile; in async mode
         #    it is sampling the next batch instead)
         t1 = time.time()
-        train_batch, value_batch, m, informative = compute_advantages(cfg, batch, policy, critic)
+        train_batch, value_batch, m, informative = compute_advantages(cfg, batch, policy, critic, teacher)
         metrics.update(m)
         if is_main() and prefetch.pool is None:
             rollouts.sleep()

@@ -117,6 +117,19 @@ def test_off_policy_block_is_checked_and_tis_cap_says_where_it_went():
         load_config(None, ["learner.off_policy.kind=tis", "learner.off_policy.tis_cap=0"])
 
 
+def test_turn_credit_and_distillation_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'turn'"):
+        load_config(None, ["algo.credit=trun"])
+    with pytest.raises(ValueError, match="algo.credit=turn"):                 # REINFORCE++ has its own token credit
+        load_config(None, ["algo.credit=turn", "algo.name=reinforce_pp"])
+    with pytest.raises(ValueError, match="set algo.teacher_path"):
+        load_config(None, ["algo.name=distill"])
+    cfg = load_config(None, ["algo.name=distill", f"algo.teacher_path={tmp_path}/nope", "rollout.agent.n_samples=1"])
+    assert cfg.algo.advantage == "none"                                       # the teacher's term alone
+    with pytest.raises(ValueError, match="algo.teacher_path=.*no such folder"):
+        check_paths(cfg)
+
+
 def test_reinforce_pp_alone_needs_no_group():
     """REINFORCE++ whitens over the batch, so one sample per prompt is enough; its -baseline variant is a group mean."""
     assert load_config(None, ["algo.name=reinforce_pp", "rollout.agent.n_samples=1"]).rollout.agent.n_samples == 1

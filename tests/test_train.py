@@ -169,6 +169,20 @@ def test_turn_credit_broadcasts_each_turns_advantage():
                                algos.group_advantages(rewards, 2, "rloo")[:, None] * one_turn_mask)
 
 
+def test_on_policy_distillation(tiny):
+    """algo.teacher_path: a teacher (here a run's final policy, moved away from the start by one step of a strong
+    entropy bonus: the tiny model's rewards are all 0) scores the student's samples; algo.name=distill trains on
+    that per-token reverse KL alone, the default mixes it in."""
+    teacher = os.path.join(main(tiny("steps=1", "eval_every=100", "run_name=teacher", "learner.lr=1e-2",
+                                     "learner.entropy_coef=0.5"))["run_dir"], "final")
+    for extra in (["algo.name=distill"], ["algo.distill_coef=0.5"]):
+        summary = main(tiny("steps=2", "eval_every=100", "run_name=distill", f"algo.teacher_path={teacher}", *extra))
+        lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))][1:]
+        assert all(l["train/distill_reverse_kl"] > 0 and l["train/grad_norm"] > 0 for l in lines)
+    with pytest.raises(ValueError, match="algo.teacher_path"):
+        tiny("algo.name=distill")
+
+
 def test_kl_in_reward_and_in_loss(tiny):
     for extra in (["learner.kl_coef=0.1"], ["learner.kl_coef=0.1", "algo.kl_in_reward=true"]):
         summary = main(tiny("steps=1", "eval_every=100", "run_name=kl", "learner.entropy_coef=0.01", *extra))
