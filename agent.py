@@ -63,6 +63,9 @@ class Trajectory:
     prompt_len: int                    # tokens of the first prompt (system + user + generation prompt)
     messages: list[dict]               # the conversation (reset messages, assistant turns, observations fed back)
     reward: float = 0.0                # sum of the env's step rewards (0 when the env gave none)
+    turn_rewards: list[float] = field(default_factory=list)  # (K,) the env's reward for each assistant turn (its
+                                       # step), the judge's share added to the last; they sum to `reward`
+    turn_starts: list[int] = field(default_factory=list)     # (K,) position of each assistant turn's first token
     done: bool = False                 # the env ended the episode (False if cut by max_turns/budget or env error)
     num_turns: int = 0                 # assistant turns generated
     num_tool_calls: int = 0            # tool calls parsed from the assistant turns
@@ -181,6 +184,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
                     break
             stopped = bool(ids) and ids[-1] in stop_ids
             content_ids = ids[:-1] if stopped else ids
+            traj.turn_starts.append(len(traj.token_ids))
             traj.token_ids += ids
             traj.loss_mask += [1] * len(ids)
             traj.logprobs += [float(x) for x in lps]
@@ -206,10 +210,12 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             if error is not None:                  # a broken env ends this episode, not the whole batch
                 traj.env_errors += 1
                 traj.reward, traj.done, traj.finish_reason = 0.0, False, "env_error"
+                traj.turn_rewards = [0.0] * traj.num_turns
                 traj.info = {"error": error}
                 continue
             states[i] = state
             traj.reward += float(reward)
+            traj.turn_rewards.append(float(reward))
             traj.info = dict(info)
             # the env reports what this step added to its counters (Env.step); the trajectory sums them
             traj.parse_failures += int(info.get("parse_failures", 0))
@@ -247,6 +253,7 @@ def finish_episodes(envs: dict[str, Env], trajs: list[Trajectory], judge_weight:
                 if score is not None:
                     traj.info["judge"] = float(score)
                     traj.reward += judge_weight * float(score)
+                    traj.turn_rewards[-1] += judge_weight * float(score)
     return trajs
 
 
@@ -298,6 +305,9 @@ class RolloutBatch:
     loss_mask: torch.Tensor            # (B, T) float, 1 on sampled tokens, 0 on prompt/observation/forced/padding
     logprobs: torch.Tensor             # (B, T) float, engine log-prob of token t (0 where the mask is 0)
     rewards: torch.Tensor              # (B,) float, episode reward
+    turn_rewards: torch.Tensor         # (B, K) float, each assistant turn's reward (K = most turns; 0 past the last)
+    turn_mask: torch.Tensor            # (B, K) float, 1 on the turns the episode took
+    turn_index: torch.Tensor           # (B, T) long, the assistant turn of each sampled token, -1 elsewhere
     group_ids: torch.Tensor            # (B,) long, index of the task in the batch (GRPO group)
     lengths: torch.Tensor              # (B,) long, real tokens per row (the rest is padding)
 
@@ -306,14 +316,29 @@ def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
     """Stack trajectories into right-padded tensors (T = the longest trajectory)."""
     if not trajs:
         raise ValueError("to_batch needs at least one trajectory")
+    loss_mask = pad_right([t.loss_mask for t in trajs], 0.0, torch.float)                # (B, T)
+    turns = [[1.0] * len(t.turn_rewards) for t in trajs]
     return RolloutBatch(
         input_ids=pad_right([t.token_ids for t in trajs], pad_id, torch.long),            # (B, T)
-        loss_mask=pad_right([t.loss_mask for t in trajs], 0.0, torch.float),              # (B, T)
+        loss_mask=loss_mask,
         logprobs=pad_right([t.logprobs for t in trajs], 0.0, torch.float),                # (B, T)
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float),              # (B,)
+        turn_rewards=pad_right([t.turn_rewards or [0.0] for t in trajs], 0.0, torch.float),   # (B, K)
+        turn_mask=pad_right([m or [0.0] for m in turns], 0.0, torch.float),                    # (B, K)
+        turn_index=_turn_index([t.turn_starts for t in trajs], loss_mask),               # (B, T)
         group_ids=torch.tensor([t.group for t in trajs], dtype=torch.long),              # (B,)
         lengths=torch.tensor([len(t.token_ids) for t in trajs], dtype=torch.long),       # (B,)
     )
+
+
+def _turn_index(turn_starts: list[list[int]], loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) the assistant turn each sampled token belongs to (the last turn starting at or before it), -1 on
+    every token the policy did not sample (prompt, observations, forced <|im_end|>, padding)."""
+    B, T = loss_mask.shape
+    starts = pad_right([s or [T] for s in turn_starts], T, torch.long)                    # (B, K) T: no turn
+    pos = torch.arange(T).expand(B, T).contiguous()                                      # (B, T)
+    turn = torch.searchsorted(starts, pos, right=True) - 1                               # (B, T)
+    return torch.where(loss_mask.bool() & (turn >= 0), turn, -1)
 
 
 def pad_right(rows: list[list], value, dtype: torch.dtype) -> torch.Tensor:

@@ -276,7 +276,7 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
                     (the geometric mean of token ratios clipped in log space; mean over the row's valid tokens)
     GRPO is "ppo" with group advantages; the GSPO paper's averaging is agg_mode="seq-mean-token-mean".
     `weights` (B, T), optional and constant: each token's loss is multiplied by it before aggregation (the
-    truncated importance weights of truncated_is_weights, when the samples came from another policy).
+    off-policy weights of off_policy_weights, when the samples came from another policy).
     Returns (loss: 0-dim tensor with grad, metrics: dict of detached 0-dim tensors):
         clip_frac_low / clip_frac_high  share of tokens whose gradient a clip zeroed (below / above the band);
                                         for cispo, whose weight the clip capped (their gradient still flows)
@@ -615,7 +615,7 @@ OFF_POLICY_LEVELS = ("token", "sequence")
 @dataclass
 class OffPolicyConfig:
     """How the learner corrects for samples drawn from the engine's mu instead of pi_old (see off_policy_weights)."""
-    kind: str = "tis"           # none: weight 1 (metrics only) | tis: truncated IS | mis: masked IS
+    kind: str = "none"          # none: weight 1 (metrics only) | tis: truncated IS | mis: masked IS
     level: str = "token"        # token: one weight per token | sequence: one weight per sequence
     tis_cap: float = 2.0        # tis: the weight is min(ratio, tis_cap)
     mis_low: float = 0.5        # mis: ratios outside [mis_low, mis_high] are masked (weight 0)
@@ -663,17 +663,16 @@ def off_policy_weights(old_logp, behaviour_logp, mask, cfg: OffPolicyConfig):
     clipped, masked = zeros, zeros                                             # (B, T) bool
     # --- algorithm ---
     if cfg.kind == "none":
-        log_w = torch.zeros_like(log_rho)
+        w = torch.ones_like(log_rho)
     elif cfg.kind == "tis":
-        log_cap = _log(cfg.tis_cap)
         log_r = log_rho if cfg.level == "token" else log_rho.sum(dim=1, keepdim=True).expand_as(log_rho)
-        log_w = log_r.clamp(max=log_cap)                                        # min(r, cap) in log space
-        clipped = log_r > log_cap
+        w = log_r.clamp(max=20.0).exp().clamp(max=cfg.tis_cap)                 # min(r, cap), as truncated_is_weights
+        clipped = log_r > _log(cfg.tis_cap)
     else:  # mis
         log_r = log_rho if cfg.level == "token" else _seq_log_ratio(log_rho, valid).expand_as(log_rho)
         masked = (log_r < _log(cfg.mis_low)) | (log_r > _log(cfg.mis_high))
-        log_w = log_r                                                           # w = the ratio, in band
-    w = torch.where(valid & ~masked, log_w.exp(), 0.0)                          # (B, T)
+        w = log_r.exp()                                                         # w = the ratio, in band
+    w = torch.where(valid & ~masked, w, 0.0)                                    # (B, T)
     # --- end algorithm ---
     with torch.no_grad():
         clipped, masked = clipped & valid, masked & valid

@@ -76,16 +76,31 @@ class RolloutConfig:
     judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
                                      # envs that have a judge (tau_lite); held-out evals never use it
     async_rollouts: bool = False     # one-step off-policy: the engine generates step k+1's batch (with the weights
-                                     # before update k) while the learner trains on batch k; needs learner.tis_cap
-                                     # > 0 to correct for it (rollout/staleness logs how old each batch's policy is)
+                                     # before update k) while the learner trains on batch k; needs learner.off_policy
+                                     # (tis or mis) to correct for it (rollout/staleness: how old each batch's policy
+                                     # is)
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"               # a preset (ALGO_PRESETS below): grpo|drgrpo|rloo|dapo|gspo|sapo|ppo. It sets
-                                     # the defaults of the knobs it names; YAML and command line still win
-    advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages) or gae (critic)
+    name: str = "grpo"               # a preset (ALGO_PRESETS below): grpo|drgrpo|rloo|dapo|gspo|sapo|cispo|gmpo|
+                                     # reinforce_pp|reinforce_pp_baseline|ppo. It sets the defaults of the knobs it
+                                     # names; YAML and command line still win
+    advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages), reinforce_pp|
+                                     # reinforce_pp_baseline (batch-whitened returns, algos.reinforce_pp_advantages;
+                                     # with algo.kl_in_reward the KL is a per-token reward), gae (critic), or none
+                                     # (no task advantage: on-policy distillation alone, needs algo.teacher_path)
+    credit: str = "episode"          # episode: every sampled token gets its episode's advantage | turn: per-turn
+                                     # returns (the env's reward of each step, discounted by turn_gamma across turns)
+                                     # minus a leave-one-out group baseline per turn position, each turn's tokens get
+                                     # their turn's (algos.turn_advantages; replaces the group advantage's formula)
+    turn_gamma: float = 1.0          # credit=turn: discount across turns
+    teacher_path: str = ""           # on-policy distillation: a Hugging Face folder with the policy's tokenizer whose
+                                     # model scores the student's own samples; each sampled token's advantage gains
+                                     # distill_coef * (log pi_teacher - log pi_student) (algos.distillation_advantages,
+                                     # a per-token reverse KL). "": off
+    distill_coef: float = 1.0        # weight of that teacher term against the task advantage
     skip_uniform_batches: bool = True  # no update when no group has mixed rewards (all advantages are 0)
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_refill_rounds: int = 3       # extra rollout rounds at most per step when dynamic_sampling is on
@@ -93,7 +108,7 @@ class AlgoConfig:
                                      # penalty ramps from 0 to -1 (0: off; algos.overlong_penalty)
     kl_in_reward: bool = False       # subtract learner.kl_coef * KL(policy || ref) from the reward instead of
                                      # adding it to the loss (needs learner.kl_coef > 0)
-    gamma: float = 1.0               # GAE discount (ppo)
+    gamma: float = 1.0               # discount over tokens: GAE (ppo) and REINFORCE++'s returns
     lam: float = 1.0                 # GAE lambda (ppo)
     critic_lr: float = 1e-4          # critic AdamW learning rate (ppo)
     value_clip: float = 0.2          # clip of the value update around the old values (ppo; algos.value_loss)
@@ -108,7 +123,12 @@ ALGO_PRESETS: dict[str, dict] = {
     "dapo": {"learner.policy_loss": "dapo", "algo.dynamic_sampling": True,  # DAPO, 2503.14476
              "algo.overlong_cache": 64},
     "gspo": {"learner.policy_loss": "gspo", "learner.loss.agg_mode": "seq-mean-token-mean"},  # GSPO, 2507.18071
-    "sapo": {"learner.policy_loss": "sapo"},                               # SAPO (Qwen)
+    "sapo": {"learner.policy_loss": "sapo"},                               # SAPO (Qwen), 2511.20347
+    "cispo": {"learner.policy_loss": "cispo"},                             # CISPO (MiniMax-M1), 2506.13585
+    "gmpo": {"learner.policy_loss": "gmpo", "learner.loss.agg_mode": "seq-mean-token-mean"},  # GMPO, 2507.20673
+    "reinforce_pp": {"algo.advantage": "reinforce_pp"},                    # REINFORCE++, 2501.03262
+    "reinforce_pp_baseline": {"algo.advantage": "reinforce_pp_baseline"},  # REINFORCE++-baseline, 2501.03262
+    "distill": {"algo.advantage": "none"},  # on-policy distillation alone (GKD 2306.13649); set algo.teacher_path
     "ppo": {"algo.advantage": "gae"},                                      # PPO with a critic, 1707.06347
 }
 
@@ -178,6 +198,8 @@ class Config:
 # filling the tree: dict -> dataclass, with type checks and helpful errors
 
 ENGINE_KINDS = ("torch", "vllm", "openai")      # rollout.make_engine's kinds
+# train.compute_advantages' kinds
+ADVANTAGE_KINDS = algos.GROUP_ADVANTAGE_KINDS + ("reinforce_pp", "reinforce_pp_baseline", "gae", "none")
 
 
 def _did_you_mean(word, choices) -> str:
@@ -292,10 +314,12 @@ def _yaml(text: str, where: str):
 def validate(cfg: Config) -> Config:
     """Choices that are strings are checked here, before anything is built, not at their first use."""
     choices = [
-        ("algo.advantage", cfg.algo.advantage, algos.GROUP_ADVANTAGE_KINDS + ("gae",)),
+        ("algo.advantage", cfg.algo.advantage, ADVANTAGE_KINDS),
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
         ("learner.loss.agg_mode", cfg.learner.loss.agg_mode, algos.AGG_MODES),
         ("learner.kl_kind", cfg.learner.kl_kind, algos.KL_KINDS),
+        ("learner.off_policy.kind", cfg.learner.off_policy.kind, algos.OFF_POLICY_KINDS),
+        ("learner.off_policy.level", cfg.learner.off_policy.level, algos.OFF_POLICY_LEVELS),
         ("rollout.engine", cfg.rollout.engine, ENGINE_KINDS),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
@@ -307,13 +331,30 @@ def validate(cfg: Config) -> Config:
             raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
     if cfg.learner.loss.agg_mode == "seq-mean-token-sum-norm" and not cfg.learner.loss.agg_norm:
         raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm needs learner.loss.agg_norm (a constant)")
-    if cfg.algo.advantage != "gae" and cfg.rollout.agent.n_samples < 2:
-        raise ValueError("group advantages need rollout.agent.n_samples >= 2")
+    if cfg.algo.advantage not in ("gae", "reinforce_pp", "none") and cfg.rollout.agent.n_samples < 2:
+        raise ValueError(f"algo.advantage={cfg.algo.advantage} is a group baseline: it needs "
+                         "rollout.agent.n_samples >= 2")
+    if cfg.algo.credit not in ("episode", "turn"):
+        raise ValueError(f"algo.credit={cfg.algo.credit!r} is not one of ['episode', 'turn']"
+                         f"{_did_you_mean(cfg.algo.credit, ('episode', 'turn'))}")
+    if cfg.algo.credit == "turn" and cfg.algo.advantage not in algos.GROUP_ADVANTAGE_KINDS:
+        raise ValueError(f"algo.credit=turn is a group baseline per turn: it cannot go with algo.advantage="
+                         f"{cfg.algo.advantage} (use grpo, drgrpo or rloo)")
+    if cfg.algo.advantage == "none" and not cfg.algo.teacher_path:
+        raise ValueError("algo.advantage=none (algo.name=distill) learns from a teacher alone: set algo.teacher_path")
+    if cfg.algo.advantage == "none" and cfg.algo.kl_in_reward:
+        raise ValueError("algo.advantage=none has no reward to put a KL in: use learner.kl_coef without "
+                         "algo.kl_in_reward")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
-    if cfg.rollout.async_rollouts and cfg.learner.tis_cap <= 0:
-        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.tis_cap "
-                         "(e.g. 2.0) so truncated importance sampling corrects for them")
+    off = cfg.learner.off_policy
+    if off.kind == "tis" and off.tis_cap <= 0 or off.kind == "mis" and not 0 < off.mis_low <= 1 <= off.mis_high:
+        raise ValueError(f"learner.off_policy needs tis_cap > 0 (tis) and 0 < mis_low <= 1 <= mis_high (mis), got "
+                         f"tis_cap={off.tis_cap}, mis_low={off.mis_low}, mis_high={off.mis_high}")
+    if cfg.rollout.async_rollouts and off.kind == "none":
+        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
+                         "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
+                         "for them")
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")
@@ -352,6 +393,11 @@ def validate_ray(cfg: Config):
         raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
 
 
+# keys that were moved: the error says where to, since a did-you-mean cannot guess it
+RENAMED = {"learner.tis_cap": "use learner.off_policy.kind=tis and learner.off_policy.tis_cap=<cap> (the same weights, "
+                              "min(pi_old / pi_engine, cap) per token)"}
+
+
 def _set_path(d: dict, dotted: str, value):
     *parents, last = dotted.split(".")
     for p in parents:
@@ -366,6 +412,8 @@ def _merge(base: dict, patch: dict, prefix: str):
             base[int(k)] = _merge_value(base[int(k)], v, f"{prefix}{k}")
             continue
         if k not in base:
+            if prefix + str(k) in RENAMED:
+                raise KeyError(f"config key '{prefix}{k}' was renamed: {RENAMED[prefix + str(k)]}")
             hint = _did_you_mean(prefix + str(k), [prefix + b for b in base])
             raise KeyError(f"unknown config key '{prefix}{k}'{hint}")
         base[k] = _merge_value(base[k], v, f"{prefix}{k}")
@@ -488,6 +536,8 @@ def check_paths(cfg: Config, training: bool = True) -> Config:
                 check_file(spec.kwargs[name], f"envs.{i}.kwargs.{name}")
     if training and cfg.model.path != "default":
         check_model_folder(cfg.model.path, "model.path")
+    if training and cfg.algo.teacher_path:
+        check_model_folder(cfg.algo.teacher_path, "algo.teacher_path")
     if training and cfg.resume and cfg.resume != "auto":
         check_checkpoint_folder(cfg.resume, "resume", critic=cfg.algo.advantage == "gae")
     if training and cfg.resume:                   # resuming into a run folder whose config.yaml is another run's

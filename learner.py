@@ -65,14 +65,16 @@ class LearnerConfig:
     logprob_chunk_size: int = 256         # tokens (over all rows of a micro-batch) per chunk of the lm_head and
                                           # log-softmax: bounds the (tokens, V) fp32 logits block to (this, V)
     gradient_checkpointing: bool = False  # recompute decoder layers in backward to save activations
-    policy_loss: str = "ppo"              # algos.policy_loss kind: ppo|dual_clip|dapo|gspo|gspo_token|sapo
+    policy_loss: str = "ppo"              # algos.policy_loss kind: ppo|dual_clip|dapo|gspo|gspo_token|sapo|cispo|gmpo
     loss: algos.PolicyLossConfig = field(default_factory=algos.PolicyLossConfig)  # clip ranges, aggregation
     kl_coef: float = 0.0                  # weight of the KL(policy || reference) term in the loss (0: off)
     kl_kind: str = "k3"                   # estimator for that term: k1|k2|k3
     entropy_coef: float = 0.0             # weight of an entropy bonus (0: entropy is only logged)
-    tis_cap: float = 0.0                  # > 0: truncated importance sampling against the engine's log-probs
-                                          # (algos.truncated_is_weights), each token's loss weighted by
-                                          # min(pi_old / pi_engine, tis_cap); needed by rollout.async_rollouts
+    off_policy: algos.OffPolicyConfig = field(default_factory=algos.OffPolicyConfig)  # correction for samples from
+                                          # the engine's policy mu, not pi_old (algos.off_policy_weights): kind
+                                          # none|tis|mis, level token|sequence, tis_cap, mis_low/mis_high; each
+                                          # token's loss is weighted by it. none (default): no weight, the mismatch
+                                          # is only measured; rollout.async_rollouts needs tis or mis
     mixed_precision: bool = True          # under torchrun on GPUs: bf16 params/compute, fp32 gradient reduction
                                           # (FSDP2 MixedPrecisionPolicy); ignored on CPU and in one process
     lora_rank: int = 0                    # LoRA rank r (0: off, every parameter trains)
@@ -100,7 +102,7 @@ class TrainBatch:
                                           # batch before this update (compute_logprobs); required by train_step
                                           # unless old_from_update
     engine_logprobs: torch.Tensor | None = None  # (B, T) the log-probs of the engine that sampled the tokens (the
-                                          # behaviour policy); used only when cfg.tis_cap > 0
+                                          # behaviour policy); for cfg.off_policy (its weights and metrics)
     ref_logprobs: torch.Tensor | None = None  # (B, T) the frozen reference policy's log-probs; used only when
                                           # cfg.kl_coef > 0 (the KL term of the loss)
     old_from_update: bool = False         # no old_logprobs: the update is exactly on-policy (old_logprobs_needed is
@@ -123,10 +125,11 @@ def old_logprobs_needed(cfg: LearnerConfig) -> bool:
     It does not when the update is exactly on-policy: one optimizer step per batch (one mini-batch, one epoch), so
     every micro-batch's forward runs on the very weights pi_old stands for and pi_old = pi.detach(), token for token
     (TRL skips the pass in the same case); no dropout (LoRA's), so the training forward is the scoring forward; and
-    no correction that reads pi_old before the update (tis_cap's importance weights, which async rollouts need).
+    no correction that reads pi_old before the update (off_policy's importance weights, which async rollouts
+    need; with kind=none the mismatch KL is logged only when the pass runs).
     The caller adds its own needs (train.py: a KL in the reward reads pi_old)."""
     dropout = cfg.lora_rank > 0 and cfg.lora_dropout > 0
-    return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or cfg.tis_cap > 0 or dropout
+    return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or cfg.off_policy.kind != "none" or dropout
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -402,13 +405,16 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
         raise ValueError("train_step needs batch.old_logprobs: score the batch first (compute_logprobs)")
     if old is None and old_logprobs_needed(cfg):
         raise ValueError("batch.old_from_update holds only for an exactly on-policy update (one mini-batch, one "
-                         "epoch, no tis_cap, no dropout): score the batch first (compute_logprobs)")
-    tis, tis_metrics = None, {}
-    if cfg.tis_cap > 0:
-        if batch.engine_logprobs is None:
-            raise ValueError("learner.tis_cap > 0 needs the engine's log-probs (TrainBatch.engine_logprobs)")
-        tis, tis_metrics = algos.truncated_is_weights(old, batch.engine_logprobs.to(old.device), mask.to(old.device),
-                                                      cfg.tis_cap)                # (B, T)
+                         "epoch, no off-policy correction, no dropout): score the batch first (compute_logprobs)")
+    tis, tis_metrics = None, {}                   # off-policy weights (B, T) over the whole batch: a sequence's
+    if batch.engine_logprobs is not None and old is not None:  # weight needs all its tokens, whatever the micro-batches
+        tis, tis_metrics = algos.off_policy_weights(old, batch.engine_logprobs.to(old.device), mask.to(old.device),
+                                                    cfg.off_policy)
+        if cfg.off_policy.kind == "none":        # measured only: the loss untouched, the mismatch KL logged
+            tis, tis_metrics = None, {k: v for k, v in tis_metrics.items() if k.startswith("mismatch_kl")}
+    elif cfg.off_policy.kind != "none" and batch.engine_logprobs is None:
+        raise ValueError(f"learner.off_policy.kind={cfg.off_policy.kind} needs the engine's log-probs "
+                         "(TrainBatch.engine_logprobs)")
     ref = batch.ref_logprobs
     if cfg.kl_coef > 0 and ref is None:
         raise ValueError("learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)")

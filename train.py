@@ -7,7 +7,10 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    (agent.py). DAPO's dynamic sampling drops groups whose rewards are all equal and samples more.
   2. advantages    compute_advantages: the episode reward (+ DAPO's overlong penalty, - a KL to the reference
                    when algo.kl_in_reward), then a group baseline broadcast to the episode's sampled tokens (GRPO,
-                   Dr.GRPO, RLOO), or GAE over a critic's values (PPO). It also scores the batch before the update:
+                   Dr.GRPO, RLOO; with algo.credit=turn one baseline per turn position, each turn's tokens getting
+                   their turn's return minus it), returns whitened over the batch (REINFORCE++), or GAE over a
+                   critic's values (PPO); plus, with algo.teacher_path, distill_coef * (log pi_teacher - log pi)
+                   per token (on-policy distillation). It also scores the batch before the update:
                    the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
@@ -17,7 +20,8 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
   5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
 Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
-episode (a multi-turn episode is one "response" with the observations masked out); batches without signal are
+episode (a multi-turn episode is one "response" with the observations masked out; algo.credit=turn credits
+each turn with its own return instead); batches without signal are
 skipped, not stepped with a zero gradient.
 
 Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
@@ -94,7 +98,7 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
 class Prefetcher:
     """Where each step's batch comes from: sampled when the step begins, from the current weights; or, with
     rollout.async_rollouts, sampled in a background thread from the weights before update k while the learner
-    trains on batch k (one step off-policy, corrected by learner.tis_cap). A batch's `version` is the number of
+    trains on batch k (one step off-policy, corrected by learner.off_policy). A batch's `version` is the number of
     updates its weights had seen: rollout/staleness = updates between those weights and the ones it trains."""
 
     def __init__(self, collect, steps: int, enabled: bool, pending=None):
@@ -132,11 +136,11 @@ class Prefetcher:
 # -----------------------------------------------------------------------------
 # 2. advantages (algorithm code: algos.py has the equations and the papers)
 
-def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, critic: LearnerState | None
-                       ) -> tuple[TrainBatch, ValueBatch | None, dict, bool]:
+def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, critic: LearnerState | None,
+                       teacher: torch.nn.Module | None = None) -> tuple[TrainBatch, ValueBatch | None, dict, bool]:
     """Rewards -> per-token advantages, and what the update scores against -> (TrainBatch, ValueBatch or None,
     metrics, whether any advantage is non-zero). The one owner of the log-probs before the update: the learner's
-    (pi_old) and the reference policy's (for the KL, in the reward or in the loss)."""
+    (pi_old), the reference policy's (for the KL, in the reward or in the loss) and the teacher's (distillation)."""
     lc, G, mask, metrics = cfg.learner, cfg.rollout.agent.n_samples, batch.loss_mask, {}
     rewards = batch.rewards.clone()                                                # (B,)
     if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
@@ -146,7 +150,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
                                lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch)  # (B, T)
     old = None                                                                     # exactly on-policy: the update
-    if old_logprobs_needed(lc) or cfg.algo.kl_in_reward:                           # takes pi = pi_old, detached
+    if old_logprobs_needed(lc) or cfg.algo.kl_in_reward or teacher is not None:   # takes pi = pi_old, detached
         old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
                                lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch)  # (B, T) pi_old
     metrics["perf/old_logprob_pass"] = float(old is not None)
@@ -166,14 +170,41 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         adv = algos.whiten(adv, mask)
         values = ValueBatch(batch.input_ids, mask, old_values, returns)
         informative = True
+    elif cfg.algo.advantage.startswith("reinforce_pp"):                            # REINFORCE++: KL per token
+        G = G if cfg.algo.advantage == "reinforce_pp_baseline" else None           # baseline: the group mean
+        adv = algos.reinforce_pp_advantages(rewards, token_kl, mask, lc.kl_coef, cfg.algo.gamma, G)  # (B, T)
+        informative = bool((adv != 0).any())                                       # whitened over the batch
+    elif cfg.algo.advantage == "none":                                             # the teacher's term alone
+        adv, informative = torch.zeros_like(mask), False                           # (B, T)
     else:                                                                          # a group baseline
         if token_kl is not None:
             rewards -= lc.kl_coef * token_kl.sum(1)
-        adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
-        informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+        if cfg.algo.credit == "turn":                                              # one per turn position
+            adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma)              # (B, T)
+            informative = bool((adv != 0).any())
+        else:
+            adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
+            informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+    if teacher is not None:                                                        # on-policy distillation
+        teacher_logp = compute_logprobs(teacher, batch.input_ids, lc.micro_batch_size, lc.temperature,
+                                        lc.logprob_chunk_size, mask)               # (B, T)
+        adv, m = algos.distillation_advantages(old, teacher_logp, mask, adv, cfg.algo.distill_coef)   # (B, T)
+        metrics["train/distill_reverse_kl"] = float(m["distill_reverse_kl"])
+        informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
     return (TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref, old_from_update=old is None),
             values, metrics, informative)
+
+
+def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float) -> torch.Tensor:
+    """algo.credit=turn: each assistant turn's advantage (algos.turn_advantages, baseline per turn position), given to
+    that turn's sampled tokens -> (B, T). What `rewards` (B,) adds to the env's (the overlong penalty, a KL in the
+    reward) is counted on the episode's last turn, where it was earned."""
+    turn_rewards, turn_mask = batch.turn_rewards.clone(), batch.turn_mask                  # (B, K)
+    last = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)                # (B,) last turn taken
+    turn_rewards[torch.arange(len(rewards)), last] += rewards - batch.rewards
+    adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline="position")   # (B, K)
+    return algos.broadcast_turns(adv, batch.turn_index)                                   # (B, T)
 
 
 # -----------------------------------------------------------------------------
@@ -309,6 +340,19 @@ def shares_engine_model(cfg: Config) -> bool:
             and not cfg.learner.lora_rank and not cfg.rollout.async_rollouts)
 
 
+def build_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
+    """algo.teacher_path's model, frozen and sharded like the policy, or None. It scores the student's token ids, so
+    its tokenizer must be the policy's."""
+    if not cfg.algo.teacher_path:
+        return None
+    vocab = Tokenizer.from_file(os.path.join(cfg.algo.teacher_path, "tokenizer.json")).get_vocab()
+    if vocab != tokenizer.get_vocab():
+        raise ValueError(f"algo.teacher_path={cfg.algo.teacher_path!r} has another tokenizer than the policy: it must "
+                         "score the very token ids the policy sampled")
+    teacher = load_model(cfg.algo.teacher_path, dtype=getattr(torch, cfg.model.dtype)).requires_grad_(False).eval()
+    return shard_model(teacher, cfg.learner)
+
+
 def learner_configs(cfg: Config) -> tuple:
     """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
     policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
@@ -352,6 +396,10 @@ def main(cfg: Config) -> dict:
     policy, critic, engine_model = build_learner(cfg, model_dir, resume)
     shared = shares_engine_model(cfg)                # the engine reads the policy's parameters: nothing to push
     weights = merged_state_dict(policy.model) if (resume or cfg.learner.lora_rank) and not shared else None
+
+
+    teacher = build_teacher(cfg, tokenizer)       # None unless on-policy distillation
+    weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
     rollouts = envs = eval_tasks = None
     if is_main():
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
@@ -381,7 +429,7 @@ def main(cfg: Config) -> dict:
         # 2. advantages, 3. update (the engine asleep: on a GPU its memory is the learner's meanwhile; in async mode
         #    it is sampling the next batch instead)
         t1 = time.time()
-        train_batch, value_batch, m, informative = compute_advantages(cfg, batch, policy, critic)
+        train_batch, value_batch, m, informative = compute_advantages(cfg, batch, policy, critic, teacher)
         metrics.update(m)
         if is_main() and prefetch.pool is None:
             rollouts.sleep()

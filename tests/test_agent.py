@@ -676,3 +676,34 @@ def test_prefix_cache_keeps_trajectories_and_prefills_only_new_tokens(tok, tempe
     assert plain_m["rollout/prefilled_tokens"] > sum(len(t.token_ids) for t in plain) / len(plain)  # turns re-prefill
     assert cached_m["rollout/prefilled_tokens"] < plain_m["rollout/prefilled_tokens"] / 2
     assert cached_m["rollout/prefix_cached"] > 0.5
+
+
+class StepRewardEnv(CalcEnv):
+    """CalcEnv that pays 0.25 for every tool step (an intermediate reward), as envs that reward sub-goals do."""
+
+    def step(self, state, action):
+        state, obs, reward, done, info = super().step(state, action)
+        return state, obs, reward + (0.25 if action.tool_calls else 0.0), done, info
+
+
+def test_turn_rewards_and_turn_index(tok):
+    """Each assistant turn keeps the env's reward of its step (they sum to the episode's) and where it starts;
+    to_batch gives every sampled token its turn, -1 to everything else (algo.credit=turn reads both)."""
+    tasks = [calc_task(0, 2, 3), calc_task(1, 4, 5, env="boom")]
+    engine = ScriptedEngine(tok, {tasks[0].prompt: three_turn_script(2, 3), tasks[1].prompt: ["ANSWER: 9"]})
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=2048)
+    trajs = run_episodes(engine, {"calc": StepRewardEnv(), "boom": BoomEnv()}, tasks, tok, cfg, SamplingParams(),
+                         seed=0)
+    for tr in trajs[:2]:
+        assert tr.turn_rewards == [0.25, 0.25, 1.0] and tr.reward == sum(tr.turn_rewards) == 1.5
+        assert tr.turn_starts == [len(p) for p in episode_prompts(engine, tr)]
+    assert all(tr.turn_rewards == [0.0] and tr.reward == 0.0 for tr in trajs[2:])   # an env error pays nothing
+    batch = to_batch(trajs, pad_id=-1)
+    assert batch.turn_rewards.tolist() == [[0.25, 0.25, 1.0]] * 2 + [[0.0, 0.0, 0.0]] * 2
+    assert batch.turn_mask.tolist() == [[1, 1, 1]] * 2 + [[1, 0, 0]] * 2
+    for b, tr in enumerate(trajs):
+        expected = [-1] * batch.turn_index.shape[1]
+        for k, p in enumerate(episode_prompts(engine, tr)):
+            gen = engine.replies[tuple(p)]
+            expected[len(p):len(p) + len(gen)] = [k] * len(gen)
+        assert batch.turn_index[b].tolist() == expected

@@ -91,6 +91,52 @@ def test_algo_presets_set_defaults_that_explicit_keys_override():
     assert cfg.learner.policy_loss == "gspo" and cfg.learner.loss.agg_mode == "token-mean"
 
 
+@pytest.mark.parametrize("name, policy_loss, advantage, agg_mode", [
+    ("cispo", "cispo", "grpo", "token-mean"),
+    ("gmpo", "gmpo", "grpo", "seq-mean-token-mean"),                 # GMPO's objective is one term per sequence
+    ("reinforce_pp", "ppo", "reinforce_pp", "token-mean"),
+    ("reinforce_pp_baseline", "ppo", "reinforce_pp_baseline", "token-mean"),
+])
+def test_frontier_presets(name, policy_loss, advantage, agg_mode):
+    cfg = load_config(None, [f"algo.name={name}"])
+    assert (cfg.learner.policy_loss, cfg.algo.advantage, cfg.learner.loss.agg_mode) == (policy_loss, advantage, agg_mode)
+
+
+def test_off_policy_block_is_checked_and_tis_cap_says_where_it_went():
+    cfg = load_config(None, ["learner.off_policy.kind=mis", "learner.off_policy.level=sequence"])
+    assert (cfg.learner.off_policy.kind, cfg.learner.off_policy.mis_low) == ("mis", 0.5)
+    assert Config().learner.off_policy.kind == "none"                # default: no correction, as before
+    with pytest.raises(KeyError, match=r"learner.tis_cap' was renamed: use learner.off_policy.kind=tis and "
+                                       r"learner.off_policy.tis_cap"):
+        load_config(None, ["learner.tis_cap=2.0"])
+    with pytest.raises(ValueError, match="did you mean 'sequence'"):
+        load_config(None, ["learner.off_policy.level=sequense"])
+    with pytest.raises(ValueError, match="mis_low <= 1"):
+        load_config(None, ["learner.off_policy.kind=mis", "learner.off_policy.mis_low=1.5"])
+    with pytest.raises(ValueError, match="tis_cap > 0"):
+        load_config(None, ["learner.off_policy.kind=tis", "learner.off_policy.tis_cap=0"])
+
+
+def test_turn_credit_and_distillation_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'turn'"):
+        load_config(None, ["algo.credit=trun"])
+    with pytest.raises(ValueError, match="algo.credit=turn"):                 # REINFORCE++ has its own token credit
+        load_config(None, ["algo.credit=turn", "algo.name=reinforce_pp"])
+    with pytest.raises(ValueError, match="set algo.teacher_path"):
+        load_config(None, ["algo.name=distill"])
+    cfg = load_config(None, ["algo.name=distill", f"algo.teacher_path={tmp_path}/nope", "rollout.agent.n_samples=1"])
+    assert cfg.algo.advantage == "none"                                       # the teacher's term alone
+    with pytest.raises(ValueError, match="algo.teacher_path=.*no such folder"):
+        check_paths(cfg)
+
+
+def test_reinforce_pp_alone_needs_no_group():
+    """REINFORCE++ whitens over the batch, so one sample per prompt is enough; its -baseline variant is a group mean."""
+    assert load_config(None, ["algo.name=reinforce_pp", "rollout.agent.n_samples=1"]).rollout.agent.n_samples == 1
+    with pytest.raises(ValueError, match="n_samples"):
+        load_config(None, ["algo.name=reinforce_pp_baseline", "rollout.agent.n_samples=1"])
+
+
 def test_bad_yaml_is_one_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("steps: [1,\nlearner: {lr: 1\n")

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from algos import OffPolicyConfig
 from learner import LearnerConfig, TrainBatch, load_checkpoint, make_learner, save_checkpoint, sft_step, train_step
 from model import ModelConfig, init_model
 
@@ -91,28 +92,60 @@ def test_checkpoint_resume_is_exact(tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_truncated_importance_sampling_in_the_update():
-    """tis_cap > 0 weights each token by min(pi_old / pi_engine, cap): with the engine's log-probs equal to
-    the learner's the update is unchanged; off-policy log-probs change it; missing ones are a clear error."""
-    model, batch = init_model(CFG, seed=0), make_batch()
-    plain_cfg = LearnerConfig(micro_batch_size=4, grad_clip=0.0)          # no clipping: gradients compare raw
-    tis_cfg = LearnerConfig(micro_batch_size=4, grad_clip=0.0, tis_cap=2.0)
+def test_off_policy_corrections_in_the_update():
+    """learner.off_policy weights each token's loss by algos.off_policy_weights(pi_old, pi_engine): kind=none (the
+    default) leaves the update bit for bit as without the engine's log-probs and only logs the mismatch KL; token
+    TIS scales by min(pi_old / mu, cap); sequence TIS by a row's whole product; masked IS zeroes the tokens (or
+    the rows) outside its band. Each is compared with a plain update whose advantages carry the same weights (on
+    the first pass the ratio is 1, so the loss is linear in the advantages). Missing log-probs are a clear error."""
     from learner import compute_logprobs
+    model, batch = init_model(CFG, seed=0), make_batch()
     old = compute_logprobs(model, batch.input_ids, 4, mask=batch.loss_mask)
-    grads = {}
-    for name, cfg, engine in [("plain", plain_cfg, None), ("same", tis_cfg, old),
-                              ("off", tis_cfg, old - 0.5 * batch.loss_mask)]:   # the engine found tokens rarer
+    mask, adv = batch.loss_mask, batch.advantages
+    n = mask.sum(1, keepdim=True)                                          # (B, 1) valid tokens per row
+    row1 = torch.zeros_like(mask)
+    row1[1] = mask[1]                                                      # row 1's tokens
+    tok = torch.zeros_like(mask)
+    tok[2, 5] = 1.0                                                        # one token of row 2
+    assert mask[2, 5] == 1
+
+    def update(off_policy, engine, advantages):
+        cfg = LearnerConfig(micro_batch_size=4, grad_clip=0.0, off_policy=off_policy)   # no clipping: raw grads
         state = make_learner(copy.deepcopy(model), cfg, seed=0)
-        b = TrainBatch(batch.input_ids, batch.loss_mask, batch.advantages, old, engine_logprobs=engine)
-        state, m = train_step(state, b, cfg)
-        grads[name] = first_step_grad(state)
-        if cfg.tis_cap:
-            assert {"train/tis_weight_mean", "train/tis_clip_frac", "train/behaviour_kl"} <= set(m)
-    torch.testing.assert_close(grads["same"], grads["plain"], rtol=1e-5, atol=1e-8)
-    # pi_old / mu = e^0.5 = 1.65 < cap on every token: the gradient is exactly scaled by it
-    torch.testing.assert_close(grads["off"], grads["plain"] * math.exp(0.5), rtol=1e-4, atol=1e-7)
+        state, m = train_step(state, TrainBatch(batch.input_ids, mask, advantages, old, engine_logprobs=engine), cfg)
+        return first_step_grad(state), m
+
+    plain, m = update(OffPolicyConfig(), None, adv)
+    assert not any("offpolicy" in k or "mismatch" in k for k in m)
+    off = old - 0.5 * mask                                                 # the engine found every token rarer
+    g, m = update(OffPolicyConfig(), off, adv)
+    assert torch.equal(g, plain) and "train/offpolicy_weight_mean" not in m
+    assert m["train/mismatch_kl_k1"] == pytest.approx(-0.5, rel=1e-5)      # mean log mu - log pi_old
+    cases = [  # (config, engine log-probs, the advantages that give the same gradient without a correction)
+        (OffPolicyConfig(kind="tis", tis_cap=2.0), off, adv * math.exp(0.5)),            # 1.65 < cap
+        (OffPolicyConfig(kind="tis", tis_cap=1.2), off, adv * 1.2),                      # every token capped
+        (OffPolicyConfig(kind="tis", level="sequence", tis_cap=100.0), off, adv * (0.5 * n).exp()),   # the product
+        (OffPolicyConfig(kind="tis", level="sequence", tis_cap=2.0), off, adv * (0.5 * n).exp().clamp(max=2.0)),
+        (OffPolicyConfig(kind="mis", mis_low=0.5, mis_high=2.0), old - tok, adv * (1 - tok)),     # e^1 > 2: dropped
+        (OffPolicyConfig(kind="mis", level="sequence", mis_low=0.5, mis_high=2.0), old - row1, adv * (1 - row1)),
+        (OffPolicyConfig(kind="mis", level="sequence", mis_low=0.5, mis_high=2.0), old - tok,   # geometric mean of
+         adv * torch.where(torch.arange(8)[:, None] == 2, math.exp(1 / float(n[2])), 1.0)),     # row 2: kept, weighted
+    ]
+    for off_policy, engine, equivalent in cases:
+        g, m = update(off_policy, engine, adv)
+        want, _ = update(OffPolicyConfig(), None, equivalent)
+        assert g.abs().max() > 0
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-7, msg=str(off_policy))
+        assert {"train/offpolicy_weight_mean", "train/offpolicy_token_masked_frac", "train/offpolicy_seq_masked_frac",
+                "train/mismatch_kl_k3"} <= set(m)
+    assert m["train/offpolicy_token_masked_frac"] == 0
+    _, m = update(OffPolicyConfig(kind="mis", level="sequence", mis_low=0.5, mis_high=2.0), old - row1, adv)
+    assert m["train/offpolicy_token_masked_frac"] == pytest.approx(2 / mask.sum().item())   # row 1: 2 tokens
+    assert m["train/offpolicy_seq_masked_frac"] == pytest.approx(1 / 7)                     # of 7 non-empty rows
+    tis_cfg = LearnerConfig(micro_batch_size=4, off_policy=OffPolicyConfig(kind="tis"))
     with pytest.raises(ValueError, match="engine_logprobs"):
         train_step(make_learner(copy.deepcopy(model), tis_cfg, seed=0), replace(batch, old_logprobs=old), tis_cfg)
+    plain_cfg = LearnerConfig(micro_batch_size=4, grad_clip=0.0)
     with pytest.raises(ValueError, match="old_logprobs"):                # pi_old has one owner: the caller
         train_step(make_learner(copy.deepcopy(model), plain_cfg, seed=0), batch, plain_cfg)
 
@@ -135,8 +168,8 @@ def test_on_policy_update_skips_the_old_logprob_pass_with_the_same_gradient(loss
     assert grads[0].abs().max() > 0
     assert torch.equal(grads[1], grads[0])
     assert metrics[1] == metrics[0]
-    for off_policy in (replace(cfg, mini_batches=2), replace(cfg, ppo_epochs=2), replace(cfg, tis_cap=2.0),
-                       replace(cfg, lora_rank=4, lora_dropout=0.1)):
+    for off_policy in (replace(cfg, mini_batches=2), replace(cfg, ppo_epochs=2),
+                       replace(cfg, off_policy=OffPolicyConfig(kind="tis")), replace(cfg, lora_rank=4, lora_dropout=0.1)):
         assert old_logprobs_needed(off_policy)
     with pytest.raises(ValueError, match="on-policy"):               # two optimizer steps: pi_old must be scored
         two = replace(cfg, mini_batches=2)

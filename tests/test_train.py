@@ -3,6 +3,7 @@ and writes what it promises, and a resumed run ends bit-identical to an uninterr
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import need
 
+import algos
 from config import load_config
 from train import main
 
@@ -116,7 +118,8 @@ def test_keep_checkpoints_removes_old_ones_after_the_new_one(tiny):
     assert sorted(os.listdir(os.path.join(run["run_dir"], "checkpoints"))) == ["step_2", "step_3"]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "sapo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "sapo", "cispo", "gmpo", "reinforce_pp",
+                                  "reinforce_pp_baseline", "ppo"])
 def test_every_algorithm_runs_in_the_loop(tiny, algo):
     """algo.name selects the whole algorithm; each one makes real updates in main() (the learning itself
     is measured by bench/algos.py)."""
@@ -129,6 +132,57 @@ def test_every_algorithm_runs_in_the_loop(tiny, algo):
         assert os.path.exists(os.path.join(summary["run_dir"], "final", "critic", "model.safetensors"))
     if algo == "dapo":
         assert all(l["rollout/rounds"] >= 1 for l in lines[1:])
+
+
+def test_turn_credit_in_the_loop(tiny):
+    """algo.credit=turn trains through main() on multi-turn toy math (tool call, then answer)."""
+    summary = main(tiny("steps=2", "eval_every=100", "run_name=turn_credit", "algo.credit=turn",
+                        "algo.advantage=rloo", "learner.entropy_coef=0.01"))
+    lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    assert all(l["train/updates"] >= 1 and l["train/grad_norm"] > 0 for l in lines[1:])
+    with pytest.raises(ValueError, match="algo.credit=turn"):
+        tiny("algo.credit=turn", "algo.name=ppo")
+
+
+def test_turn_credit_broadcasts_each_turns_advantage():
+    """train.turn_credit on a hand-made batch: one turn per episode is RLOO; with two turns each turn's tokens get
+    their own return minus the other episode's at that position; a penalty added to the episode reward lands on its
+    last turn."""
+    from agent import RolloutBatch
+    from train import turn_credit
+    # G = 2. Episode 0: turns at tokens 1-2 and 4, rewards [0.5, 1]; episode 1: one turn at tokens 1-3, reward 0.
+    turn_index = torch.tensor([[-1, 0, 0, -1, 1], [-1, 0, 0, 0, -1]])
+    mask = (turn_index >= 0).float()
+    rewards = torch.tensor([1.5, 0.0])
+    batch = RolloutBatch(input_ids=torch.zeros(2, 5, dtype=torch.long), loss_mask=mask, logprobs=torch.zeros(2, 5),
+                         rewards=rewards, turn_rewards=torch.tensor([[0.5, 1.0], [0.0, 0.0]]),
+                         turn_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]), turn_index=turn_index,
+                         group_ids=torch.zeros(2, dtype=torch.long), lengths=torch.tensor([5, 4]))
+    # returns (gamma 1): ep 0 [1.5, 1], ep 1 [0]; baselines: ep 0 [0, none -> 0], ep 1 [1.5]
+    torch.testing.assert_close(turn_credit(batch, rewards, 2, 1.0),
+                               torch.tensor([[0, 1.5, 1.5, 0, 1.0], [0, -1.5, -1.5, -1.5, 0]]))
+    # gamma 0.5: ep 0 turn 0 return 0.5 + 0.5 * 1 = 1; a -0.25 penalty on ep 0 goes to its turn 1
+    torch.testing.assert_close(turn_credit(batch, rewards - torch.tensor([0.25, 0.0]), 2, 0.5),
+                               torch.tensor([[0, 0.875, 0.875, 0, 0.75], [0, -0.875, -0.875, -0.875, 0]]))
+    one_turn = replace(batch, turn_rewards=torch.tensor([[1.5, 0.0], [0.0, 0.0]]), turn_mask=torch.tensor(
+        [[1.0, 0.0], [1.0, 0.0]]), turn_index=turn_index.clamp(max=0) - (turn_index < 0).long())
+    one_turn_mask = (one_turn.turn_index >= 0).float()
+    torch.testing.assert_close(turn_credit(one_turn, rewards, 2, 1.0),
+                               algos.group_advantages(rewards, 2, "rloo")[:, None] * one_turn_mask)
+
+
+def test_on_policy_distillation(tiny):
+    """algo.teacher_path: a teacher (here a run's final policy, moved away from the start by one step of a strong
+    entropy bonus: the tiny model's rewards are all 0) scores the student's samples; algo.name=distill trains on
+    that per-token reverse KL alone, the default mixes it in."""
+    teacher = os.path.join(main(tiny("steps=1", "eval_every=100", "run_name=teacher", "learner.lr=1e-2",
+                                     "learner.entropy_coef=0.5"))["run_dir"], "final")
+    for extra in (["algo.name=distill"], ["algo.distill_coef=0.5"]):
+        summary = main(tiny("steps=2", "eval_every=100", "run_name=distill", f"algo.teacher_path={teacher}", *extra))
+        lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))][1:]
+        assert all(l["train/distill_reverse_kl"] > 0 and l["train/grad_norm"] > 0 for l in lines)
+    with pytest.raises(ValueError, match="algo.teacher_path"):
+        tiny("algo.name=distill")
 
 
 def test_kl_in_reward_and_in_loss(tiny):
@@ -197,15 +251,15 @@ def test_async_one_step_off_policy_and_its_exact_resume(tiny):
     keeps the already generated next batch) ends bit-identical to the uninterrupted one."""
     # entropy_coef: every update moves the weights whatever the rewards (a batch of all-zero rewards has zero
     # advantages, and no gradient without it), so the batches after the first are off-policy for real
-    extra = ["steps=4", "eval_every=100", "rollout.async_rollouts=true", "learner.tis_cap=2.0",
-             "learner.entropy_coef=0.01"]
+    extra = ["steps=4", "eval_every=100", "rollout.async_rollouts=true", "learner.off_policy.kind=tis",
+             "learner.off_policy.tis_cap=2.0", "learner.entropy_coef=0.01"]
     full = main(tiny(*extra, "checkpoint_every=2", "run_name=async_full"))
     lines = [json.loads(l) for l in open(os.path.join(full["run_dir"], "metrics.jsonl"))][1:]
     assert [l["rollout/staleness"] for l in lines] == [0, 1, 1, 1]
-    assert all("train/tis_weight_mean" in l and l["sync/logprob_abs_diff"] < 1e-3 for l in lines)
+    assert all("train/offpolicy_weight_mean" in l and l["sync/logprob_abs_diff"] < 1e-3 for l in lines)
     assert all("perf/rollout_wait_seconds" in l for l in lines[:3]) and "perf/rollout_wait_seconds" not in lines[3]
     # off-policy for real: the engine's log-probs are not the learner's pi_old after the first step
-    assert lines[0]["train/behaviour_kl"] < 1e-8 < lines[1]["train/behaviour_kl"]
+    assert lines[0]["train/mismatch_kl_k3"] < 1e-8 < lines[1]["train/mismatch_kl_k3"]
     half = os.path.join(full["run_dir"], "checkpoints", "step_2")
     resumed = main(tiny(*extra, "run_name=async_resumed", f"resume={half}"))
     a = load_file(os.path.join(full["run_dir"], "final", "model.safetensors"))
@@ -218,9 +272,10 @@ def test_async_one_step_off_policy_and_its_exact_resume(tiny):
         assert x["train/pg_loss"] == y["train/pg_loss"] and y["rollout/staleness"] == 1
 
 
-def test_async_rollouts_need_truncated_is(tiny):
-    with pytest.raises(ValueError, match="tis_cap"):
+def test_async_rollouts_need_an_off_policy_correction(tiny):
+    with pytest.raises(ValueError, match="learner.off_policy.kind=tis"):
         tiny("rollout.async_rollouts=true")
+    tiny("rollout.async_rollouts=true", "learner.off_policy.kind=mis", "learner.off_policy.level=sequence")
 
 
 def test_peak_flops_override_table_and_measured():
@@ -241,7 +296,7 @@ def test_in_process_torch_engine_shares_the_learners_parameters_only_when_it_can
     assert shares_engine_model(cfg)
     policy, _, engine_model = build_learner(cfg, model_folder(cfg), "")
     assert engine_model is policy.model
-    for extra in (["learner.lora_rank=4"], ["rollout.async_rollouts=true", "learner.tis_cap=2.0"],
+    for extra in (["learner.lora_rank=4"], ["rollout.async_rollouts=true", "learner.off_policy.kind=tis"],
                   ["rollout.engine=vllm"]):
         assert not shares_engine_model(tiny(*extra)), extra
     lora = tiny("learner.lora_rank=4")
