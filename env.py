@@ -620,7 +620,8 @@ def read_tasks(path: str) -> list[Task]:
 # env.py needs none of them, and each of them imports only env.py.
 ENTRY_POINTS: dict[str, str] = {"text_math": "env_math", "dataset": "env_math", "tool_use": "env_search",
                                 "code": "env_code", "webshop_lite": "env_webshop",
-                                "alfworld_lite": "env_alfworld", "tau_lite": "env_tau", "humaneval": "env_humaneval"}
+                                "alfworld_lite": "env_alfworld", "tau_lite": "env_tau", "humaneval": "env_humaneval",
+                                "textworld": "env_textworld"}
 
 
 def make_env(name: str, **kwargs) -> Env:
