@@ -54,7 +54,7 @@ from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, regis
                  tool_message)
 
 PIP_INSTALL = "pip install textworld==1.7.0"
-TEST_SEED = 1_000_000   # held-out games have seeds TEST_SEED + 0, 1, ...; train games 0, 1, ...: disjoint by construction
+TEST_SEED = 1_000_000   # held-out games have seeds TEST_SEED + 0, 1, ...; train games 0, 1, ...: disjoint
 WON = "won"             # the answer tw_act records when the game is won
 LOST = "lost"           # ... and when it is lost
 
