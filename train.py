@@ -36,7 +36,6 @@ Shapes: B episodes in a batch, T tokens, G group size.
 """
 import argparse
 import copy
-import functools
 import os
 import resource
 import time
@@ -249,23 +248,32 @@ GPU_PEAK_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A
                   ("V100", 125e12)]
 
 
-@functools.lru_cache(maxsize=None)
+_MEASURED_FLOPS: dict[tuple[str, int], float] = {}   # (device, threads) -> FLOP/s: measured once per process
+
+
 def measured_matmul_flops(device: torch.device, threads: int, reps: int = 8) -> float:
     """FLOP/s of one square matmul on `device` (the best of `reps`): fp32 (512, 512) on a CPU with `threads` torch
     threads, bf16 (4096, 4096) on a GPU. What the device reaches: perf/mfu's denominator when no peak is known.
-    Measured once per device and thread count."""
-    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b                                                            # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    Measured once per device and thread count. Its inputs come from a generator of its own: drawing them from the
+    global one would move the run's random stream, and a resumed run (which measures again) would save another
+    RNG state than the run it continues. (A plain dict, not functools.lru_cache: Ray pickles train.py's functions
+    by value when it is __main__, and an lru_cache wrapper pickles by name, which a Ray worker cannot find.)"""
+    key = (str(device), threads)
+    if key not in _MEASURED_FLOPS:
+        n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+        g = torch.Generator(device=device).manual_seed(0)
+        a, b = (torch.randn(n, n, dtype=dtype, device=device, generator=g) for _ in range(2))
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        a @ b                                                        # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            a @ b
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        _MEASURED_FLOPS[key] = 2 * n ** 3 / best
+    return _MEASURED_FLOPS[key]
 
 
 def peak_flops(device: torch.device, override: float = 0.0) -> float:
