@@ -15,7 +15,8 @@ Nothing is lost when a run is killed (preemption, OOM, Ctrl-C, SIGKILL) at any m
     the new config (in anything but RESUME_FREE_KEYS) is refused, naming the keys;
   - on resume the logs are cut back to the checkpoint: metrics.jsonl keeps the records up to its step and the
     episode dumps after it are removed, so the logs always match the weights (and wandb resumes the same run).
-Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks.
+Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks. At the end of the file:
+the two perf metrics that describe the run's device, the peak FLOP/s behind perf/mfu and perf/peak_memory_gib.
 Imports: learner.py (checkpoints) and plot.py (the curves).
 """
 import dataclasses
@@ -24,9 +25,12 @@ import json
 import os
 import pickle
 import re
+import resource
 import secrets
 import shutil
+import time
 
+import torch
 import yaml
 
 from learner import LearnerState, barrier, is_main, save_checkpoint, save_merged
@@ -296,3 +300,59 @@ def finish_run(run_dir: str, history: list, minutes: float) -> dict:
         json.dump(summary, f, indent=2)
     print(f"done in {minutes:.1f} min; held-out accuracy by step: " + ", ".join(f"{s}: {a:.3f}" for s, a in evals))
     return summary
+
+
+# -----------------------------------------------------------------------------
+# perf metrics: MFU and peak memory
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched against
+# torch.cuda.get_device_name() in this order (the first name that is a substring wins)
+GPU_PEAK_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+                  ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
+                  ("V100", 125e12)]
+
+
+_MEASURED_FLOPS: dict[tuple[str, int], float] = {}   # (device, threads) -> FLOP/s: measured once per process
+
+
+def measured_matmul_flops(device: torch.device, threads: int, reps: int = 8) -> float:
+    """FLOP/s of one square matmul on `device` (the best of `reps`): fp32 (512, 512) on a CPU with `threads` torch
+    threads, bf16 (4096, 4096) on a GPU. What the device reaches: perf/mfu's denominator when no peak is known.
+    Measured once per device and thread count. Its inputs come from a generator of its own: drawing them from the
+    global one would move the run's random stream, and a resumed run (which measures again) would save another
+    RNG state than the run it continues."""
+    key = (str(device), threads)
+    if key not in _MEASURED_FLOPS:
+        n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+        g = torch.Generator(device=device).manual_seed(0)
+        a, b = (torch.randn(n, n, dtype=dtype, device=device, generator=g) for _ in range(2))
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        a @ b                                                        # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            a @ b
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        _MEASURED_FLOPS[key] = 2 * n ** 3 / best
+    return _MEASURED_FLOPS[key]
+
+
+def peak_flops(device: torch.device, override: float = 0.0) -> float:
+    """The device's peak FLOP/s: `override` (config peak_flops) if set, a GPU's from GPU_PEAK_FLOPS, else measured."""
+    if override > 0:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:
+            if key in name:
+                return flops
+    return measured_matmul_flops(device, torch.get_num_threads())
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The learner's peak memory so far: CUDA's max allocated on a GPU, else this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20    # Linux reports KiB

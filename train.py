@@ -37,7 +37,6 @@ Shapes: B episodes in a batch, T tokens, G group size.
 import argparse
 import copy
 import os
-import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -59,7 +58,8 @@ from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, b
                      train_step)
 from model import load_model, train_flops
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
-from runs import Logger, checkpoint_step, finish_run, load_pending, resolve_resume, save_run_checkpoint, write_config
+from runs import (Logger, checkpoint_step, finish_run, load_pending, peak_flops, peak_memory_gib, resolve_resume,
+                  save_run_checkpoint, write_config)
 
 # What each random draw of a step is for: its seed is mix_seed(run seed, step, purpose[, refill round]).
 SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3
@@ -236,63 +236,6 @@ def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -
                               tuple(cfg.eval.pass_k))
     dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
     return {**metrics, "perf/eval_seconds": time.time() - t0}
-
-
-# -----------------------------------------------------------------------------
-# perf metrics: MFU and peak memory
-
-# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched against
-# torch.cuda.get_device_name() in this order (the first name that is a substring wins)
-GPU_PEAK_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                  ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
-                  ("V100", 125e12)]
-
-
-_MEASURED_FLOPS: dict[tuple[str, int], float] = {}   # (device, threads) -> FLOP/s: measured once per process
-
-
-def measured_matmul_flops(device: torch.device, threads: int, reps: int = 8) -> float:
-    """FLOP/s of one square matmul on `device` (the best of `reps`): fp32 (512, 512) on a CPU with `threads` torch
-    threads, bf16 (4096, 4096) on a GPU. What the device reaches: perf/mfu's denominator when no peak is known.
-    Measured once per device and thread count. Its inputs come from a generator of its own: drawing them from the
-    global one would move the run's random stream, and a resumed run (which measures again) would save another
-    RNG state than the run it continues. (A plain dict, not functools.lru_cache: Ray pickles train.py's functions
-    by value when it is __main__, and an lru_cache wrapper pickles by name, which a Ray worker cannot find.)"""
-    key = (str(device), threads)
-    if key not in _MEASURED_FLOPS:
-        n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
-        g = torch.Generator(device=device).manual_seed(0)
-        a, b = (torch.randn(n, n, dtype=dtype, device=device, generator=g) for _ in range(2))
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        a @ b                                                        # warm-up
-        best = float("inf")
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            a @ b
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        _MEASURED_FLOPS[key] = 2 * n ** 3 / best
-    return _MEASURED_FLOPS[key]
-
-
-def peak_flops(device: torch.device, override: float = 0.0) -> float:
-    """The device's peak FLOP/s: `override` (config peak_flops) if set, a GPU's from GPU_PEAK_FLOPS, else measured."""
-    if override > 0:
-        return override
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:
-            if key in name:
-                return flops
-    return measured_matmul_flops(device, torch.get_num_threads())
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """The learner's peak memory so far: CUDA's max allocated on a GPU, else this process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20    # Linux reports KiB
 
 
 # -----------------------------------------------------------------------------

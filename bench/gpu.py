@@ -28,7 +28,7 @@ MFU = model FLOPs / seconds / peak FLOPs. Model FLOPs of a step, after PaLM (Cho
 https://arxiv.org/abs/2204.02311): 6 N + 12 L H T per token, N the parameters in matmuls (the lm_head counted even
 when tied, the embedding lookup not), L layers, H = heads x head_dim, T the sequence length; recomputation under
 gradient checkpointing is not counted (it is work, not progress): model.train_flops, as perf/mfu. Peak FLOPs:
-train.peak_flops, a table of dense bf16 peaks by GPU name (--peak-tflops overrides); on a CPU, a measured matmul. Peak memory: CUDA's
+runs.peak_flops, a table of dense bf16 peaks by GPU name (--peak-tflops overrides); on a CPU, a measured matmul. Peak memory: CUDA's
 max_memory_allocated after a reset, or the process's peak RSS on a CPU (which only grows).
 Prints one markdown table per section; --json writes every figure.
 """
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, train_step  # noqa: E402
 from model import ModelConfig, init_model, save_model, train_flops  # noqa: E402
 from rollout import SamplingParams, TorchEngine, default_sync_threshold, logprob_gap  # noqa: E402
-from train import GPU_PEAK_FLOPS, peak_flops, peak_memory_gib  # noqa: E402
+from runs import GPU_PEAK_FLOPS, peak_flops, peak_memory_gib  # noqa: E402
 
 # Qwen2.5-0.5B / 1.5B's config.json sizes (tied embeddings, q/k/v biases, rope_theta 1e6); the tiny ones stand in
 # for them on a CPU
@@ -83,7 +83,7 @@ def reset_peak(device):
 
 
 def peak_flops_and_source(device, override_tflops: float) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure comes from): train.peak_flops, the same table and measurement as perf/mfu."""
+    """(peak FLOP/s, where the figure comes from): runs.peak_flops, the same table and measurement as perf/mfu."""
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
     if device.type != "cuda":

@@ -281,7 +281,7 @@ def test_async_rollouts_need_an_off_policy_correction(tiny):
 def test_peak_flops_override_table_and_measured():
     """perf/mfu's denominator: the config's peak_flops wins; on a CPU, a measured matmul (any real CPU does more
     than 1e8 FLOP/s and less than 1e13 fp32 on a 512 x 512 matmul with the threads it has)."""
-    from train import peak_flops, peak_memory_gib
+    from runs import peak_flops, peak_memory_gib
     cpu = torch.device("cpu")
     assert peak_flops(cpu, 5e12) == 5e12
     assert 1e8 < peak_flops(cpu) < 1e13
