@@ -29,6 +29,7 @@ Sections: the multi-turn loop | the in-process rollout source | batching and met
 Shapes (RolloutBatch): B trajectories, T tokens (the longest trajectory; shorter ones right-padded), G group size.
 Imports: chat.py, env.py and algos.py (and torch, the standard library).
 """
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -66,6 +67,7 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)  # (K,) the env's reward for each assistant turn (its
                                        # step), the judge's share added to the last; they sum to `reward`
     turn_starts: list[int] = field(default_factory=list)     # (K,) position of each assistant turn's first token
+    turn_states: list[int] = field(default_factory=list)     # (K,) key of the state each turn acted from (state_key)
     done: bool = False                 # the env ended the episode (False if cut by max_turns/budget or env error)
     num_turns: int = 0                 # assistant turns generated
     num_tool_calls: int = 0            # tool calls parsed from the assistant turns
@@ -144,6 +146,16 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
     return trajs, states
 
 
+def state_key(state) -> int:
+    """A stable 56-bit key of the state a turn acts from, for GiGPO's state baseline (algo.turn_baseline=state): turns
+    whose keys are equal are taken to start from the same environment state. `state` is what the env put in its
+    step info as "state_key" (text: envs whose observations do not identify the state, alfworld_lite), else the
+    token ids of the observation the turn follows (the first prompt for turn 0), as GiGPO matches identical
+    observations. blake2b, not hash(): the same key in every process (Ray workers play parts of one group)."""
+    data = state.encode() if isinstance(state, str) else b"".join(int(t).to_bytes(4, "little") for t in state)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
 # the smallest budget worth another turn: one sampled token plus the slot kept for a forced <|im_end|>
 _MIN_ROOM = 2
 
@@ -165,6 +177,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     stop_ids = tuple(dict.fromkeys((im_end, *params.stop_token_ids)))
 
     active = [i for i, t in enumerate(trajs) if not t.finish_reason]
+    state_keys = {i: state_key(trajs[i].token_ids) for i in active}    # the first prompt: the task's start state
     turn = 0
     while active:
         budgets = [min(params.max_tokens, cfg.max_total_tokens - len(trajs[i].token_ids) - 1) for i in active]
@@ -185,6 +198,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             stopped = bool(ids) and ids[-1] in stop_ids
             content_ids = ids[:-1] if stopped else ids
             traj.turn_starts.append(len(traj.token_ids))
+            traj.turn_states.append(state_keys[i])
             traj.token_ids += ids
             traj.loss_mask += [1] * len(ids)
             traj.logprobs += [float(x) for x in lps]
@@ -237,6 +251,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             traj.loss_mask += [0] * len(cont)
             traj.logprobs += [0.0] * len(cont)
             traj.messages += list(obs)
+            state_keys[i] = state_key(info.get("state_key", cont))
             still_active.append(i)
         active = still_active
         turn += 1
@@ -308,6 +323,7 @@ class RolloutBatch:
     turn_rewards: torch.Tensor         # (B, K) float, each assistant turn's reward (K = most turns; 0 past the last)
     turn_mask: torch.Tensor            # (B, K) float, 1 on the turns the episode took
     turn_index: torch.Tensor           # (B, T) long, the assistant turn of each sampled token, -1 elsewhere
+    turn_states: torch.Tensor          # (B, K) long, the state key of each turn (Trajectory.turn_states), -1 past the last
     group_ids: torch.Tensor            # (B,) long, index of the task in the batch (GRPO group)
     lengths: torch.Tensor              # (B,) long, real tokens per row (the rest is padding)
 
@@ -326,6 +342,7 @@ def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
         turn_rewards=pad_right([t.turn_rewards or [0.0] for t in trajs], 0.0, torch.float),   # (B, K)
         turn_mask=pad_right([m or [0.0] for m in turns], 0.0, torch.float),                    # (B, K)
         turn_index=_turn_index([t.turn_starts for t in trajs], loss_mask),               # (B, T)
+        turn_states=pad_right([t.turn_states or [-1] for t in trajs], -1, torch.long),   # (B, K)
         group_ids=torch.tensor([t.group for t in trajs], dtype=torch.long),              # (B,)
         lengths=torch.tensor([len(t.token_ids) for t in trajs], dtype=torch.long),       # (B,)
     )

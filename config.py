@@ -96,6 +96,10 @@ class AlgoConfig:
                                      # minus a leave-one-out group baseline per turn position, each turn's tokens get
                                      # their turn's (algos.turn_advantages; replaces the group advantage's formula)
     turn_gamma: float = 1.0          # credit=turn: discount across turns
+    turn_baseline: str = "position"  # credit=turn: whose returns a turn is compared with (leave-one-out, own group):
+                                     # position = the other episodes' turns at the same index | state = their turns
+                                     # from the same state (GiGPO's anchor states: equal observations, or the env's
+                                     # info["state_key"]), the position baseline where no other episode was there
     teacher_path: str = ""           # on-policy distillation: a Hugging Face folder with the policy's tokenizer whose
                                      # model scores the student's own samples; each sampled token's advantage gains
                                      # distill_coef * (log pi_teacher - log pi_student) (algos.distillation_advantages,
@@ -337,6 +341,11 @@ def validate(cfg: Config) -> Config:
     if cfg.algo.credit not in ("episode", "turn"):
         raise ValueError(f"algo.credit={cfg.algo.credit!r} is not one of ['episode', 'turn']"
                          f"{_did_you_mean(cfg.algo.credit, ('episode', 'turn'))}")
+    if cfg.algo.turn_baseline not in algos.TURN_BASELINES:
+        raise ValueError(f"algo.turn_baseline={cfg.algo.turn_baseline!r} is not one of {list(algos.TURN_BASELINES)}"
+                         f"{_did_you_mean(cfg.algo.turn_baseline, algos.TURN_BASELINES)}")
+    if cfg.algo.turn_baseline != "position" and cfg.algo.credit != "turn":
+        raise ValueError(f"algo.turn_baseline={cfg.algo.turn_baseline} is a baseline per turn: set algo.credit=turn")
     if cfg.algo.credit == "turn" and cfg.algo.advantage not in algos.GROUP_ADVANTAGE_KINDS:
         raise ValueError(f"algo.credit=turn is a group baseline per turn: it cannot go with algo.advantage="
                          f"{cfg.algo.advantage} (use grpo, drgrpo or rloo)")

@@ -19,9 +19,13 @@ it at the sink first), heat (microwave), cool (fridge), examine ("look at the bo
 hold it at the lamp with the lamp on) and two_object ("put two pencils in drawer 1").
 
 Reward: 1.0 as soon as the goal holds after a command (the tool ends the episode with answer "success",
-which `score` turns into 1.0); 0.0 when the agent loop's max_turns runs out first. info["metrics"]
-holds "success", "invalid_actions" and "steps" (commands tried) after every step, so an episode that
-max_turns cuts off still reports its counts (the agent keeps the last info).
+which `score` turns into 1.0); 0.0 when the agent loop's max_turns runs out first. With subgoal_reward > 0
+the sub-goals pay on the way, each once: an object of the goal's type in hand, then (clean, heat, cool,
+examine) processed as the goal needs (subgoals_reached): intermediate rewards for algo.credit=turn.
+info["metrics"] holds "success", "invalid_actions", "steps" (commands tried) and "subgoals" (0-2) after
+every step, so an episode that max_turns cuts off still reports its counts (the agent keeps the last
+info); info["state_key"] names the world's state (state_text) for GiGPO's state baseline, since the
+observations ("Nothing happens.") do not.
 
 Generation. A scene (layout, open/closed, object placement, goal) is drawn from random.Random(seed)
 and stored in Task.meta as JSON; reset rebuilds the world from it. Objects to move never start in the
@@ -122,6 +126,7 @@ class HouseState(EnvState):
     lamp_on: bool = False                        # desklamp 1 has been switched on
     invalid_actions: int = 0                     # commands that were not admissible (and text-only turns)
     steps: int = 0                               # commands tried, valid or not (and text-only turns)
+    subgoals: int = 0                            # sub-goals reached so far (subgoal_reward pays each once)
 
 
 def initial_state(task: Task) -> HouseState:
@@ -235,6 +240,28 @@ def goal_met(state: HouseState) -> bool:
     placed = [o for o, p in state.where
               if p == scene.target and type_of(o) == scene.obj and (needed is None or o in needed)]
     return len(placed) >= scene.count
+
+
+def subgoals_reached(state: HouseState) -> int:
+    """How far toward the goal the episode has come, 0-2: 1 once an object of the goal's type is in hand (or placed
+    at the target), 2 once one is also processed as the goal needs (clean, hot, cold; examine: the lamp is on while
+    holding one). pick_and_place and two_object have only the first."""
+    scene = state.scene
+    mine = [o for o, _ in state.where if type_of(o) == scene.obj]
+    reached = int(any(o == state.holding or p == scene.target for o, p in state.where if o in mine))
+    needed = {"clean": state.clean, "heat": state.hot, "cool": state.cold}.get(scene.kind)
+    if needed is not None:
+        reached += int(any(o in needed for o in mine))
+    elif scene.kind == "examine":
+        reached += int(state.lamp_on and bool(state.holding) and type_of(state.holding) == scene.obj)
+    return reached
+
+
+def state_text(state: HouseState) -> str:
+    """The world as it is (where the agent stands, what it holds, what is open, where everything is, what was
+    processed), without the counters: equal texts are the same state (info["state_key"], GiGPO's anchor states)."""
+    return (f"{state.location}|{state.holding}|{sorted(state.opened)}|{state.where}|{sorted(state.clean)}|"
+            f"{sorted(state.hot)}|{sorted(state.cold)}|{state.lamp_on}")
 
 
 def act(state: HouseState, command: str) -> tuple[HouseState, str]:
@@ -362,7 +389,7 @@ class AlfworldLiteEnv(Env):
     tool_names = ("house_act",)
 
     def __init__(self, kinds: tuple[str, ...] = KINDS, min_storage: int = 3, max_storage: int = 5,
-                 restate_goal: bool = False, tool_timeout: float = 2.0):
+                 restate_goal: bool = False, subgoal_reward: float = 0.0, tool_timeout: float = 2.0):
         unknown = [k for k in kinds if k not in KIND_OBJECTS]
         if unknown or not kinds:
             raise ValueError(f"unknown kinds {unknown}; choose from {list(KINDS)}")
@@ -372,6 +399,8 @@ class AlfworldLiteEnv(Env):
         self.min_storage = min_storage     # storage receptacles per room, at least ...
         self.max_storage = max_storage     # ... and at most (more means longer searches)
         self.restate_goal = restate_goal   # end every observation with the task line (the prompt's first line)
+        self.subgoal_reward = subgoal_reward   # paid once per sub-goal reached (subgoals_reached), on top of the
+                                               # goal's 1.0: intermediate rewards, for algo.credit=turn
         self.tool_timeout = tool_timeout   # seconds per tool call (house_act returns at once)
 
     def system_prompt(self) -> str:
@@ -411,10 +440,16 @@ class AlfworldLiteEnv(Env):
         return initial_state(task), messages
 
     def step(self, state: HouseState, action: Action) -> tuple[HouseState, list[dict], float, bool, dict]:
-        """Env.step, plus info["metrics"] after every step (the last one is the episode's)."""
+        """Env.step, plus info["metrics"] after every step (the last one is the episode's), info["state_key"] (the
+        world's state_text) and, with subgoal_reward, the sub-goals this step reached first."""
         state, obs, reward, done, info = super().step(state, action)
+        reached = subgoals_reached(state)
+        if reached > state.subgoals:                      # each sub-goal counts (and pays) the first time only
+            reward += self.subgoal_reward * (reached - state.subgoals)
+            state = replace(state, subgoals=reached)
         info["metrics"] = {"success": float(state.answer == SUCCESS), "invalid_actions": float(state.invalid_actions),
-                           "steps": float(state.steps)}
+                           "steps": float(state.steps), "subgoals": float(state.subgoals)}
+        info["state_key"] = state_text(state)
         return state, obs, reward, done, info
 
     def on_text(self, state: HouseState, text: str) -> tuple[HouseState, list[dict], float, bool, dict]:

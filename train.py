@@ -179,7 +179,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         if token_kl is not None:
             rewards -= lc.kl_coef * token_kl.sum(1)
         if cfg.algo.credit == "turn":                                              # one per turn position
-            adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma)              # (B, T)
+            adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma, cfg.algo.turn_baseline)   # (B, T)
             informative = bool((adv != 0).any())
         else:
             adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
@@ -195,14 +195,14 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
             values, metrics, informative)
 
 
-def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float) -> torch.Tensor:
-    """algo.credit=turn: each assistant turn's advantage (algos.turn_advantages, baseline per turn position), given to
-    that turn's sampled tokens -> (B, T). What `rewards` (B,) adds to the env's (the overlong penalty, a KL in the
-    reward) is counted on the episode's last turn, where it was earned."""
+def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float, baseline: str) -> torch.Tensor:
+    """algo.credit=turn: each assistant turn's advantage (algos.turn_advantages, its baseline per turn position or per
+    state as algo.turn_baseline says), given to that turn's sampled tokens -> (B, T). What `rewards` (B,) adds to the
+    env's (the overlong penalty, a KL in the reward) is counted on the episode's last turn, where it was earned."""
     turn_rewards, turn_mask = batch.turn_rewards.clone(), batch.turn_mask                  # (B, K)
     last = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)                # (B,) last turn taken
     turn_rewards[torch.arange(len(rewards)), last] += rewards - batch.rewards
-    adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline="position")   # (B, K)
+    adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline, batch.turn_states)   # (B, K)
     return algos.broadcast_turns(adv, batch.turn_index)                                   # (B, T)
 
 

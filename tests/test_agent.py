@@ -24,7 +24,7 @@ from conftest import IN_CI, need
 
 import agent
 import env as env_module
-from agent import AgentConfig, Trajectory, rollout_metrics, run_episodes, to_batch
+from agent import AgentConfig, Trajectory, rollout_metrics, run_episodes, state_key, to_batch
 from chat import make_action, parse_assistant_message, parse_tool_calls, render, render_continuation
 from rollout import Generation, SamplingParams
 from sft import QWEN25_CHAT_TEMPLATE
@@ -684,6 +684,36 @@ class StepRewardEnv(CalcEnv):
     def step(self, state, action):
         state, obs, reward, done, info = super().step(state, action)
         return state, obs, reward + (0.25 if action.tool_calls else 0.0), done, info
+
+
+class KeyedEnv(CalcEnv):
+    """CalcEnv that names its state in info["state_key"] (as alfworld_lite does): here only the turn count."""
+
+    def step(self, state, action):
+        state, obs, reward, done, info = super().step(state, action)
+        return state, obs, reward, done, {**info, "state_key": f"after turn {state.turn}"}
+
+
+def test_turn_states_key_the_observation_each_turn_follows(tok):
+    """Trajectory.turn_states: turn 0 acts from the first prompt (the same for the whole group), turn k from the
+    observation tokens appended after turn k - 1, or from the env's info["state_key"] when it gives one; to_batch
+    pads them with -1 (algo.turn_baseline=state matches them)."""
+    tasks = [calc_task(0, 2, 3)]
+    engine = ScriptedEngine(tok, {tasks[0].prompt: three_turn_script(2, 3)})
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=2048)
+    trajs = run_episodes(engine, {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(), seed=0)
+    tr = trajs[0]
+    prompts = episode_prompts(engine, tr)
+    observations = [tr.token_ids[:len(prompts[0])]] + [
+        tr.token_ids[len(p) + len(engine.replies[tuple(p)]):len(q)] for p, q in zip(prompts, prompts[1:])]
+    assert tr.turn_states == [state_key(o) for o in observations] and len(set(tr.turn_states)) == 3
+    assert trajs[1].turn_states == tr.turn_states                              # the same observations, the same keys
+    assert state_key([1, 2]) == state_key([1, 2]) != state_key([2, 1]) != state_key("12")
+    keyed = run_episodes(ScriptedEngine(tok, {tasks[0].prompt: three_turn_script(2, 3)}), {"calc": KeyedEnv()},
+                         tasks, tok, cfg, SamplingParams(), seed=0)[0]
+    assert keyed.turn_states == [tr.turn_states[0], state_key("after turn 1"), state_key("after turn 2")]
+    short = replace(tr, turn_states=tr.turn_states[:1], turn_rewards=tr.turn_rewards[:1])
+    assert to_batch([tr, short], pad_id=-1).turn_states.tolist() == [tr.turn_states, [tr.turn_states[0], -1, -1]]
 
 
 def test_turn_rewards_and_turn_index(tok):

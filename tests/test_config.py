@@ -122,6 +122,10 @@ def test_turn_credit_and_distillation_are_checked(tmp_path):
         load_config(None, ["algo.credit=trun"])
     with pytest.raises(ValueError, match="algo.credit=turn"):                 # REINFORCE++ has its own token credit
         load_config(None, ["algo.credit=turn", "algo.name=reinforce_pp"])
+    with pytest.raises(ValueError, match="did you mean 'state'"):
+        load_config(None, ["algo.credit=turn", "algo.turn_baseline=stat"])
+    with pytest.raises(ValueError, match="set algo.credit=turn"):
+        load_config(None, ["algo.turn_baseline=state"])
     with pytest.raises(ValueError, match="set algo.teacher_path"):
         load_config(None, ["algo.name=distill"])
     cfg = load_config(None, ["algo.name=distill", f"algo.teacher_path={tmp_path}/nope", "rollout.agent.n_samples=1"])

@@ -105,7 +105,7 @@ def test_closed_receptacle_hides_and_refuses(house):
     assert text.startswith("Nothing happens.") and not done      # the fridge is closed
     s, text, reward, done, info = do(house, s, "open fridge 1", "put mug 2 in/on fridge 1")
     assert (text, reward, done, s.answer) == (None, 1.0, True, "success")  # the winning command has no observation
-    assert info["metrics"] == {"success": 1.0, "invalid_actions": 2.0, "steps": 8.0}
+    assert info["metrics"] == {"success": 1.0, "invalid_actions": 2.0, "steps": 8.0, "subgoals": 1.0}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -359,3 +359,26 @@ def test_expert_through_the_agent_loop():
     cut = agent.run_episodes(engine, {"alfworld_lite": house}, tasks[:2], tok,
                              replace(cfg.agent, n_samples=1, max_turns=2), params, seed=0)
     assert [(t.reward, t.finish_reason, t.info["metrics"]["steps"]) for t in cut] == [(0.0, "max_turns", 2.0)] * 2
+
+
+def test_subgoal_reward_pays_each_subgoal_once_and_names_the_state(house):
+    """subgoal_reward: an object of the goal's type in hand, then processed as the goal needs, each paid the first
+    time only (putting it down and taking it again pays nothing); the goal still pays 1.0. Without it every
+    reward is as before. info["state_key"] is the world's state: equal after a command that changes nothing."""
+    commands = ["go to drawer 1", "open drawer 1", "take mug 2 from drawer 1", "go to shelf 1",
+                "put mug 2 in/on shelf 1", "take mug 2 from shelf 1", "go to sinkbasin 1",
+                "clean mug 2 with sinkbasin 1", "go to shelf 1", "put mug 2 in/on shelf 1"]
+    for env, paid in ((make_env("alfworld_lite", subgoal_reward=0.1), 0.1), (house, 0.0)):
+        _, s = room(env)
+        rewards, keys = [], []
+        for c in commands:
+            s, _, reward, done, info = do(env, s, c)
+            rewards.append(reward)
+            keys.append(info["state_key"])
+        assert rewards == [0.0, 0.0, paid, 0.0, 0.0, 0.0, 0.0, paid, 0.0, 1.0 + paid] and done
+        assert info["metrics"]["subgoals"] == 2.0
+        assert len(set(keys)) == len(keys)                              # every command here changed the world
+    _, s = room(house)
+    s, _, _, _, info = do(house, s, "go to drawer 1")
+    assert do(house, s, "look")[4]["state_key"] == do(house, s, "inventory")[4]["state_key"] == info["state_key"]
+    assert do(house, s, "open drawer 1")[4]["state_key"] != info["state_key"]

@@ -142,6 +142,9 @@ def test_turn_credit_in_the_loop(tiny):
     assert all(l["train/updates"] >= 1 and l["train/grad_norm"] > 0 for l in lines[1:])
     with pytest.raises(ValueError, match="algo.credit=turn"):
         tiny("algo.credit=turn", "algo.name=ppo")
+    summary = main(tiny("steps=1", "eval_every=100", "run_name=turn_state", "algo.credit=turn",
+                        "algo.turn_baseline=state"))                      # GiGPO's state baseline, keys from the loop
+    assert os.path.exists(os.path.join(summary["run_dir"], "final", "model.safetensors"))
 
 
 def test_turn_credit_broadcasts_each_turns_advantage():
@@ -157,18 +160,40 @@ def test_turn_credit_broadcasts_each_turns_advantage():
     batch = RolloutBatch(input_ids=torch.zeros(2, 5, dtype=torch.long), loss_mask=mask, logprobs=torch.zeros(2, 5),
                          rewards=rewards, turn_rewards=torch.tensor([[0.5, 1.0], [0.0, 0.0]]),
                          turn_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]), turn_index=turn_index,
+                         turn_states=torch.tensor([[7, 8], [7, -1]]),
                          group_ids=torch.zeros(2, dtype=torch.long), lengths=torch.tensor([5, 4]))
     # returns (gamma 1): ep 0 [1.5, 1], ep 1 [0]; baselines: ep 0 [0, none -> 0], ep 1 [1.5]
-    torch.testing.assert_close(turn_credit(batch, rewards, 2, 1.0),
+    torch.testing.assert_close(turn_credit(batch, rewards, 2, 1.0, "position"),
                                torch.tensor([[0, 1.5, 1.5, 0, 1.0], [0, -1.5, -1.5, -1.5, 0]]))
     # gamma 0.5: ep 0 turn 0 return 0.5 + 0.5 * 1 = 1; a -0.25 penalty on ep 0 goes to its turn 1
-    torch.testing.assert_close(turn_credit(batch, rewards - torch.tensor([0.25, 0.0]), 2, 0.5),
+    torch.testing.assert_close(turn_credit(batch, rewards - torch.tensor([0.25, 0.0]), 2, 0.5, "position"),
                                torch.tensor([[0, 0.875, 0.875, 0, 0.75], [0, -0.875, -0.875, -0.875, 0]]))
     one_turn = replace(batch, turn_rewards=torch.tensor([[1.5, 0.0], [0.0, 0.0]]), turn_mask=torch.tensor(
         [[1.0, 0.0], [1.0, 0.0]]), turn_index=turn_index.clamp(max=0) - (turn_index < 0).long())
     one_turn_mask = (one_turn.turn_index >= 0).float()
-    torch.testing.assert_close(turn_credit(one_turn, rewards, 2, 1.0),
+    torch.testing.assert_close(turn_credit(one_turn, rewards, 2, 1.0, "position"),
                                algos.group_advantages(rewards, 2, "rloo")[:, None] * one_turn_mask)
+
+
+def test_turn_credit_state_baseline_matches_states_across_positions():
+    """algo.turn_baseline=state: a turn is compared with the other episodes' turns from the same state key, at any
+    position (GiGPO's anchor states); a turn whose state no other episode visited keeps the position baseline."""
+    from agent import RolloutBatch
+    from train import turn_credit
+    # G = 2. Episode 0 visits states [A, B], episode 1 [B, C]; rewards: ep 0 [0, 1], ep 1 [1, 0].
+    turn_index = torch.tensor([[0, 1], [0, 1]])
+    batch = RolloutBatch(input_ids=torch.zeros(2, 2, dtype=torch.long), loss_mask=torch.ones(2, 2),
+                         logprobs=torch.zeros(2, 2), rewards=torch.tensor([1.0, 1.0]),
+                         turn_rewards=torch.tensor([[0.0, 1.0], [1.0, 0.0]]), turn_mask=torch.ones(2, 2),
+                         turn_index=turn_index, turn_states=torch.tensor([[10, 11], [11, 12]]),
+                         group_ids=torch.zeros(2, dtype=torch.long), lengths=torch.tensor([2, 2]))
+    # returns: ep 0 [1, 1], ep 1 [1, 0]. State B (ep 0 turn 1, ep 1 turn 0): each other's return, 1 and 1.
+    # A and C were visited once: the position baseline, the other episode's return at that turn (1, then 1).
+    torch.testing.assert_close(turn_credit(batch, batch.rewards, 2, 1.0, "state"),
+                               torch.tensor([[1.0 - 1.0, 1.0 - 1.0], [1.0 - 1.0, 0.0 - 1.0]]))
+    # the position baseline differs on B: ep 0 turn 1 vs ep 1 turn 1 (return 0), ep 1 turn 0 vs ep 0 turn 0 (1)
+    torch.testing.assert_close(turn_credit(batch, batch.rewards, 2, 1.0, "position"),
+                               torch.tensor([[0.0, 1.0], [0.0, -1.0]]))
 
 
 def test_on_policy_distillation(tiny):
