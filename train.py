@@ -25,8 +25,9 @@ each turn with its own return instead); batches without signal are
 skipped, not stepped with a zero gradient.
 
 Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
-workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples step k+1's
-batch while the learner trains on batch k (Prefetcher). Under torchrun every rank runs this main(): rank 0 alone
+workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples later batches
+while the learner trains on this one, up to rollout.max_staleness updates ahead, optionally swapping new weights into
+generations in flight (rollout.partial_rollouts; Prefetcher has the schedule). Under torchrun every rank runs this main(): rank 0 alone
 plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4). Every random
 draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
