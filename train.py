@@ -27,9 +27,9 @@ skipped, not stepped with a zero gradient.
 Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
 workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples later batches
 while the learner trains on this one, up to rollout.max_staleness updates ahead, optionally swapping new weights into
-generations in flight (rollout.partial_rollouts; Prefetcher has the schedule). Under torchrun every rank runs this main(): rank 0 alone
-plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4). Every random
-draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
+generations in flight (rollout.partial_rollouts; Prefetcher has the schedule). Under torchrun every rank runs this
+main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4).
+Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
 Outputs in runs/<run_name>/: config.yaml (resolved), metrics.jsonl (one JSON object per step),
 episodes_step<N>.jsonl (held-out episodes), curves.png, checkpoints/step_<N>/, final/, wandb/ (offline by default).

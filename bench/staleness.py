@@ -22,7 +22,7 @@ TINY = ["sft.num_demos=400", "sft.max_steps=40", "sft.eval_every=20", "sft.eval_
         "sft.vocab_size=600", "sft.target_accuracy=1.1", "envs.0.eval_size=8", "rollout.prompts_per_step=8",
         "rollout.agent.n_samples=4", "rollout.max_tokens=40", "rollout.agent.max_total_tokens=768",
         "learner.micro_batch_size=8", "learner.lr=1e-3", "learner.entropy_coef=0.01", "wandb=false",
-        "log_timings=false", "eval_every=1000", "algo.skip_uniform_batches=false"]
+        "eval_every=1000", "algo.skip_uniform_batches=false"]
 ASYNC = ["rollout.async_rollouts=true", "learner.off_policy.kind=tis", "learner.off_policy.tis_cap=2.0"]
 CASES = {"sync": [], "async k=1": ASYNC, "async k=2": [*ASYNC, "rollout.max_staleness=2"],
          "async k=1 partial": [*ASYNC, "rollout.partial_rollouts=true"],
