@@ -276,6 +276,43 @@ ASYNC = ["eval_every=100", "rollout.async_rollouts=true", "learner.off_policy.ki
          "learner.off_policy.tis_cap=2.0", "learner.entropy_coef=0.01"]
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_prefetcher_schedule_samples_batch_s_from_version_s_minus_1_minus_k(k):
+    """The loop's calls on a Prefetcher whose collect records the engine's version when it runs (partial rollouts
+    off): batch s is sampled from version max(0, s-1-k) whatever the thread timing, no push happens while a batch
+    is being sampled, each batch's tokens are stamped with that version, and at most k batches are ahead."""
+    import threading
+    import time as clock
+    from types import SimpleNamespace
+    from train import Prefetcher
+    engine = {"version": 0, "sampling": False}
+    seen, lock = {}, threading.Lock()
+
+    def collect(step):
+        with lock:
+            engine["sampling"] = True
+        clock.sleep(0.01 * (step % 3))                          # uneven batch times
+        seen[step] = engine["version"]
+        with lock:
+            engine["sampling"] = False
+        return [SimpleNamespace(loss_mask=[0, 1, 1], versions=[])], {}
+
+    steps = 7
+    prefetch = Prefetcher(collect, steps, enabled=True, max_staleness=k)
+    for step in range(1, steps + 1):
+        trajs, metrics, _ = prefetch.take(step)
+        assert len(prefetch.ready) + len(prefetch.futures) <= k
+        assert trajs[0].versions == [-1] + [max(0, step - 1 - k)] * 2         # stamped on the sampled tokens
+        assert metrics["rollout/staleness"] == metrics["rollout/staleness_max"] == min(k, step - 1)
+        clock.sleep(0.005)                                      # the update
+        prefetch.wait(step)
+        with lock:
+            assert not engine["sampling"]                       # the push never lands mid-batch
+            engine["version"] = step                            # the push
+    prefetch.shutdown()
+    assert seen == {s: max(0, s - 1 - k) for s in range(1, steps + 1)}
+
+
 def test_bounded_staleness_schedule_queue_and_exact_resume(tiny):
     """rollout.max_staleness=2: batch s comes from the weights after update max(0, s-3) (staleness 0, 1, 2, 2, ...
     on every token), the checkpoint after step 2 holds the queue (batches 3 and 4, sampled from the base weights and
