@@ -19,7 +19,8 @@ sampled, or the importance ratio is off from the first step. Only the observatio
 
 An engine is anything with `generate(prompts: list[list[int]], params) -> [Generation]` (rollout.py: token ids
 in, token ids and log-probs out, n samples per prompt, prompt-major); the loop reads `params` only through
-dataclasses.replace and a Generation's token_ids and logprobs, so it imports no engine.
+dataclasses.replace and a Generation's token_ids and logprobs (and versions, when it has them), so it imports no
+engine.
 
 A rollout source answers `play(tasks, params, seed, judge_weight, agent) -> (trajectories, metrics)`:
 LocalRollouts here (the loop in this process, around one engine), cluster.RayRollouts on Ray workers. train.py
@@ -78,6 +79,9 @@ class Trajectory:
     empty_responses: int = 0           # assistant turns whose content is blank
     finish_reason: str = ""            # "done" | "max_turns" | "max_tokens" | "env_error"
     info: dict = field(default_factory=dict)  # the last env info (or {"error": ...} after an env error)
+    versions: list[int] = field(default_factory=list)  # (T,) weight version (updates seen) of the weights that
+                                       # sampled each token, -1 on tokens not sampled; -1 also where the engine does
+                                       # not report one (train.py then stamps the batch's version)
 
 
 class StepResult(NamedTuple):
@@ -138,7 +142,8 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
                 prompt_cache[text] = encode(tokenizer, text)
             ids = list(prompt_cache[text])
             traj = Trajectory(task=task, group=g, sample=s, token_ids=ids, loss_mask=[0] * len(ids),
-                              logprobs=[0.0] * len(ids), prompt_len=len(ids), messages=list(msgs))
+                              logprobs=[0.0] * len(ids), prompt_len=len(ids), messages=list(msgs),
+                              versions=[-1] * len(ids))
             if len(ids) + _MIN_ROOM > cfg.max_total_tokens:
                 traj.finish_reason = "max_tokens"
             trajs.append(traj)
@@ -202,12 +207,14 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             traj.token_ids += ids
             traj.loss_mask += [1] * len(ids)
             traj.logprobs += [float(x) for x in lps]
+            traj.versions += list(gen.versions[:len(ids)]) if getattr(gen, "versions", None) else [-1] * len(ids)
             if not ids or ids[-1] != im_end:
                 # cut by max_tokens (or stopped by another stop token): close the turn so the conversation
                 # stays well formed. Forced, not sampled: mask 0, so the policy is not trained on it.
                 traj.token_ids.append(im_end)
                 traj.loss_mask.append(0)
                 traj.logprobs.append(0.0)
+                traj.versions.append(-1)
 
             text = tokenizer.decode(content_ids, skip_special_tokens=False)
             action = make_action(text)
@@ -250,6 +257,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             traj.token_ids += cont
             traj.loss_mask += [0] * len(cont)
             traj.logprobs += [0.0] * len(cont)
+            traj.versions += [-1] * len(cont)
             traj.messages += list(obs)
             state_keys[i] = state_key(info.get("state_key", cont))
             still_active.append(i)
@@ -295,9 +303,13 @@ class LocalRollouts:
         """The engine's generate (the weight-sync gate's probe)."""
         return self.engine.generate(prompts, params)
 
-    def update_weights(self, state_dict: dict) -> dict[str, float]:
-        """The engine's update_weights -> no metrics (a Ray push reports its seconds)."""
-        self.engine.update_weights(state_dict)
+    def update_weights(self, state_dict: dict, version: int | None = None) -> dict[str, float]:
+        """The engine's update_weights (with the weights' `version` for an engine that tags tokens with it, the
+        torch engine's partial rollouts) -> no metrics (a Ray push reports its seconds)."""
+        if version is None:
+            self.engine.update_weights(state_dict)
+        else:
+            self.engine.update_weights(state_dict, version=version)
         return {}
 
     def sleep(self):
@@ -326,6 +338,7 @@ class RolloutBatch:
     turn_states: torch.Tensor          # (B, K) long, the state key of each turn (Trajectory.turn_states), -1 past the last
     group_ids: torch.Tensor            # (B,) long, index of the task in the batch (GRPO group)
     lengths: torch.Tensor              # (B,) long, real tokens per row (the rest is padding)
+    versions: torch.Tensor | None = None  # (B, T) long, weight version that sampled token t (-1 where the mask is 0)
 
 
 def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
@@ -345,6 +358,7 @@ def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
         turn_states=pad_right([t.turn_states or [-1] for t in trajs], -1, torch.long),   # (B, K)
         group_ids=torch.tensor([t.group for t in trajs], dtype=torch.long),              # (B,)
         lengths=torch.tensor([len(t.token_ids) for t in trajs], dtype=torch.long),       # (B,)
+        versions=pad_right([t.versions or [-1] * len(t.token_ids) for t in trajs], -1, torch.long),  # (B, T)
     )
 
 

@@ -79,6 +79,13 @@ class RolloutConfig:
                                      # before update k) while the learner trains on batch k; needs learner.off_policy
                                      # (tis or mis) to correct for it (rollout/staleness: how old each batch's policy
                                      # is)
+    max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
+                                     # (k): step s's batch is sampled from the weights after update max(0, s-1-k), up
+                                     # to k batches queued (train.Prefetcher); 1 = the one-step async above
+    partial_rollouts: bool = False   # async_rollouts, torch engine in this process: a push that arrives during a
+                                     # generation is applied at its next token boundary (keys and values recomputed)
+                                     # instead of waiting for the batch to finish; each token records the version
+                                     # that sampled it. Faster, not reproducible run to run (it depends on timing)
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
@@ -364,6 +371,17 @@ def validate(cfg: Config) -> Config:
         raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
                          "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
                          "for them")
+    if cfg.rollout.max_staleness < 1:
+        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= 1 (updates the engine may run "
+                         "ahead of the learner; 1: one-step async)")
+    if cfg.rollout.max_staleness > 1 and not cfg.rollout.async_rollouts:
+        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} bounds async rollouts: set "
+                         "rollout.async_rollouts=true (without it every batch is sampled from the current weights)")
+    if cfg.rollout.partial_rollouts and not (cfg.rollout.async_rollouts and cfg.rollout.engine == "torch"
+                                             and not cfg.ray.rollout_workers):
+        raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
+                         "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
+                         "ray.rollout_workers=0)")
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
                          "which the learner does not apply (see rollout.VLLMEngine)")

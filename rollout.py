@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,6 +62,8 @@ class Generation:
     token_ids: list[int]            # (N,) generated ids, including the stop token when one was hit
     logprobs: list[float]           # (N,) log p(token) under softmax(logits / temperature), before top-p
     finish_reason: str              # "stop" (a stop token was emitted) or "length" (max_tokens reached)
+    versions: list[int] | None = None  # (N,) version of the weights that sampled each token (TorchEngine: it may
+                                    # change mid-generation, see TorchEngine.update_weights); None: not reported
 
 
 # -----------------------------------------------------------------------------
@@ -238,6 +241,12 @@ class TorchEngine:
     prefills its new observation instead of the whole conversation. The sampled tokens are the same as without it;
     the log-probs agree to float rounding (the cached keys were computed in another batch layout). Off by default.
     prefilled_tokens and prompt_tokens count the prompt tokens run through the model and those asked for.
+
+    Partial rollouts (train.py's async producer runs generate in a thread while the learner pushes): a push that
+    arrives during a generation is applied at its next token boundary, and the keys and values of every token so far
+    are recomputed with the new weights (as AReaL does, 2505.24298; PipelineRL keeps the old ones instead), so each
+    token's log-prob is exactly log pi_v(token | everything before it) under the version v it records
+    (Generation.versions). Calls from several threads run one at a time.
     """
 
     def __init__(self, model: Transformer, pad_id: int, max_batch_size: int = 256, prefix_cache_tokens: int = 0):
@@ -248,6 +257,11 @@ class TorchEngine:
         self.cache_version = None       # the weights' version the prefix cache's keys and values were computed with
         self.prefilled_tokens = 0       # prompt tokens prefilled (distinct prompts; padding not counted)
         self.prompt_tokens = 0          # prompt tokens asked for (distinct prompts), prefilled or found in the cache
+        self.version = 0                # the weights' version, as the pusher numbers them (update_weights)
+        self._call = threading.Lock()   # one generate at a time (the async producer and the sync gate share us)
+        self._lock = threading.Lock()   # guards _in_flight and _pending
+        self._in_flight = False         # a generate is running: a push waits for its next token boundary
+        self._pending = None            # (state dict, version) pushed during a generate, not yet applied
 
     def _weights_version(self) -> tuple:
         """Changes whenever a parameter is written in place (an optimizer step, a push, load_state_dict: every
@@ -255,8 +269,20 @@ class TorchEngine:
         model the learner shares, which is updated without update_weights being called."""
         return tuple((id(p), p._version) for p in self.model.parameters())
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        with self._call:
+            with self._lock:
+                self._in_flight = True
+            try:
+                return self._generate(prompts, params)
+            finally:
+                with self._lock:
+                    self._in_flight, pending, self._pending = False, self._pending, None
+                    if pending is not None:     # pushed after the last token boundary
+                        self._load(*pending)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         rows = [p for p in prompts for _ in range(params.n)]  # prompt-major: n samples of prompt 0, then 1, ...
         device = next(self.model.parameters()).device
         generator = None
@@ -333,7 +359,12 @@ class TorchEngine:
         stopped = torch.zeros(B, dtype=torch.bool, device=device)                   # (B,)
         rows = torch.arange(B, device=device)  # (b,) the original row of each row still in the batch
         kept = {}                              # row -> its keys and values, for the prefix cache
+        versions = []                          # (N,) the weights' version at each step (the same for every row)
         for t in range(N):
+            if self._pending is not None:      # partial rollouts: new weights from here on
+                cache, h = self._swap_weights(prompts, rows, real, tokens, cache, C + S, h)
+                kept.clear()                   # keys and values of the old weights: not for the prefix cache
+            versions.append(self.version)
             logits = self.model.lm_head(h[:, -1])                     # (b, V)
             tok, lp = sample_tokens(logits, params.temperature, params.top_p, generator)  # (b,), (b,)
             # a finished row still in the batch writes past its length; those entries are cut off below
@@ -363,8 +394,26 @@ class TorchEngine:
             m = min(fed, lengths[row])
             self.prefix_cache.insert(list(prompts[row]) + tokens[row][:m], k[:, :, :len(prompts[row]) + m],
                                      v[:, :, :len(prompts[row]) + m])
-        return [Generation(tokens[i][:lengths[i]], logprobs[i][:lengths[i]], "stop" if stopped[i] else "length")
-                for i in range(B)]
+        return [Generation(tokens[i][:lengths[i]], logprobs[i][:lengths[i]], "stop" if stopped[i] else "length",
+                           versions[:lengths[i]]) for i in range(B)]
+
+    def _swap_weights(self, prompts, rows, real, tokens, cache: KVCache, prompt_end: int, h) -> tuple:
+        """A token boundary of partial rollouts: load the pending push, then run every row's tokens so far (prompt and
+        generated, in their cache columns) through the new weights into a fresh cache -> (cache, h (b, 1, H) the last
+        position's hidden state, from which the next token is sampled)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return cache, h
+        self._load(*pending)
+        device, P = real.device, cache.pos                                       # P = prompt_end + tokens fed
+        ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long, device=device)    # (b, P)
+        for j, r in enumerate(rows.tolist()):
+            ids[j, real[j, :prompt_end].nonzero().squeeze(1)] = torch.tensor(prompts[r], device=device)
+        ids[:, prompt_end:] = tokens[rows, :P - prompt_end]
+        positions = (real[:, :P].long().cumsum(-1) - 1).clamp(min=0)             # (b, P) real tokens only
+        fresh = KVCache(self.model.cfg, len(rows), cache.max_len, dtype=cache.k[0].dtype, device=device)
+        return fresh, self.model.hidden_states(ids, positions, real, fresh)[:, -1:]
 
     @staticmethod
     def _row_kv(cache: KVCache, real, rows, which, prompt_end: int) -> dict:
@@ -379,21 +428,33 @@ class TorchEngine:
             out[int(rows[r])] = (k, v, fed)
         return out
 
-    @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor]):
-        """Copy a full state dict (Hugging Face names) into the model's parameters in place.
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None):
+        """Copy a full state dict (Hugging Face names) into the model's parameters in place; `version` (default: one
+        more than the current) tags the tokens sampled from then on (Generation.versions).
 
         All names and shapes are checked before anything is copied, so a bad dict leaves the model untouched.
-        A tied lm_head.weight may be present or absent.
+        A tied lm_head.weight may be present or absent. During a generate in another thread (partial rollouts) the
+        dict is copied and applied at that generation's next token boundary; this call does not wait for it.
         """
         required = dict(self.model.named_parameters())                       # tied names appear once
         known = dict(self.model.named_parameters(remove_duplicate=False))   # ... and here under both names
         check_state_dict(state_dict, {k: p.shape for k, p in required.items()},
                          {k: p.shape for k, p in known.items() if k not in required})
+        with self._lock:
+            if self._in_flight:             # the caller's tensors may change before the boundary: keep a copy
+                self._pending = ({k: v.detach().clone() for k, v in state_dict.items()}, version)
+                return
+            self._load(state_dict, version)
+
+    @torch.no_grad()
+    def _load(self, state_dict: dict, version: int | None):
+        known = dict(self.model.named_parameters(remove_duplicate=False))
         for k, v in state_dict.items():
             known[k].copy_(v)
+        self.version = self.version + 1 if version is None else version
         if self.prefix_cache is not None:   # keys and values of the old weights (generate would also notice)
             self.prefix_cache.clear()
+            self.cache_version = None
 
     def sleep(self):
         """Free the prefix cache (the learner may need the memory, and the weights are about to change); the

@@ -36,7 +36,7 @@ import yaml
 from learner import LearnerState, barrier, is_main, save_checkpoint, save_merged
 from plot import save_curves
 
-PENDING = "pending_rollouts.pkl"        # async mode: the next step's rollouts, saved with a checkpoint
+PENDING = "pending_rollouts.pkl"        # async mode: the queued batches (train.Prefetcher), saved with a checkpoint
 MARKER = "checkpoint.json"              # written last into a checkpoint folder: {"rl_step", "optimizer_step", ...}
 # what may change between a run and its resumed continuation: how long it runs, where and how it is launched,
 # how it is logged and checkpointed; anything else would silently train a different run
@@ -101,7 +101,7 @@ def save_run_checkpoint(path: str, cfg, model_dir: str, policy: LearnerState, cr
     and the RL step it was taken after. Written into `path.partial/`, the marker last, then renamed into place, so
     a kill at any moment leaves the previous checkpoint or this one, never half of one. Every rank calls it (weights
     are gathered), rank 0 writes. A LoRA run writes its adapter (PEFT files) and, in `final/merged/`, the merged
-    model that eval.py loads. `pending`: async mode's next batch, sampled from the previous weights, which no
+    model that eval.py loads. `pending`: async mode's queue of batches sampled from earlier weights, which no
     checkpoint holds. Then keeps the newest cfg.keep_checkpoints of checkpoints/ (0: all)."""
     tmp = path + ".partial"
     if is_main():
@@ -163,12 +163,19 @@ def prune_checkpoints(folder: str, keep: int) -> None:
         shutil.rmtree(p)
 
 
-def load_pending(path: str):
-    """Async mode's next batch saved with the checkpoint at `path`, or None."""
+def load_pending(path: str) -> dict | None:
+    """Async mode's queue saved with the checkpoint at `path`, {step: (trajectories, metrics, seconds, version)}, or
+    None. A checkpoint written before rollout.max_staleness held one batch, the next step's, without per-token
+    versions: it comes back in the same form, its tokens stamped with the batch's version."""
     if not os.path.exists(os.path.join(path, PENDING)):
         return None
     with open(os.path.join(path, PENDING), "rb") as f:
-        return pickle.load(f)
+        pending = pickle.load(f)
+    if isinstance(pending, tuple):
+        for t in pending[0]:
+            t.versions = [pending[3] if m else -1 for m in t.loss_mask]
+        pending = {checkpoint_step(path) + 1: pending}
+    return pending
 
 
 def _swap_into_place(tmp: str, path: str) -> None:

@@ -25,10 +25,11 @@ each turn with its own return instead); batches without signal are
 skipped, not stepped with a zero gradient.
 
 Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
-workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples step k+1's
-batch while the learner trains on batch k (Prefetcher). Under torchrun every rank runs this main(): rank 0 alone
-plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4). Every random
-draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
+workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples later batches
+while the learner trains on this one, up to rollout.max_staleness updates ahead, optionally swapping new weights into
+generations in flight (rollout.partial_rollouts; Prefetcher has the schedule). Under torchrun every rank runs this
+main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4).
+Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
 Outputs in runs/<run_name>/: config.yaml (resolved), metrics.jsonl (one JSON object per step),
 episodes_step<N>.jsonl (held-out episodes), curves.png, checkpoints/step_<N>/, final/, wandb/ (offline by default).
@@ -95,41 +96,90 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
 
 
 class Prefetcher:
-    """Where each step's batch comes from: sampled when the step begins, from the current weights; or, with
-    rollout.async_rollouts, sampled in a background thread from the weights before update k while the learner
-    trains on batch k (one step off-policy, corrected by learner.off_policy). A batch's `version` is the number of
-    updates its weights had seen: rollout/staleness = updates between those weights and the ones it trains."""
+    """Where each step's batch comes from, and from which weights (a batch's `version`: the updates they had seen).
 
-    def __init__(self, collect, steps: int, enabled: bool, pending=None):
-        self.collect, self.steps = collect, steps     # collect(step) -> (trajectories, metrics)
+    Synchronous (rollout.async_rollouts off): sampled when step s begins, from the weights after update s-1.
+    Async, k = rollout.max_staleness: a background thread samples the batches in step order, one at a time, and
+    batch s comes from the weights after update v(s) = max(0, s-1-k): it is trained min(k, s-1) updates late,
+    corrected by learner.off_policy. take(s) hands the learner batch s and releases batch s+k (its weights, after
+    update s-1, are in the engine by then), so up to k batches are queued or being sampled while the learner trains.
+      partial_rollouts off: the engine holds one version at a time, so before update s is pushed, wait() lets every
+        batch released so far finish; batch s then comes entirely from v(s) and a run repeats exactly (its seeds
+        are mix_seed(seed, s, ...), its weights fixed by the schedule). k = 1 is the one-step async of before; k > 1
+        adds staleness but no overlap (each push waits for the batch in flight).
+      partial_rollouts on: the push does not wait: the engine applies it at the next token boundary of the
+        generation in flight (rollout.TorchEngine), whose later tokens carry the new version. Every token of batch s
+        still comes from weights of version >= v(s) (staleness <= k), the learner waits only for batch s itself,
+        and the engine runs up to k batches ahead. Which token gets which version depends on timing.
+    Every sampled token records its version (the engine's with partial rollouts, else the schedule's, stamped here):
+    rollout/staleness and rollout/staleness_max are the mean and the max over sampled tokens of (the learner's
+    version - the token's). A batch over the bound (possible only when a resumed run's queue was sampled under a
+    larger max_staleness) is dropped and sampled again from the current weights (rollout/stale_dropped). pending()
+    is the queue a checkpoint saves, so a resumed run continues it."""
+
+    def __init__(self, collect, steps: int, enabled: bool, max_staleness: int = 1, partial: bool = False,
+                 pending: dict | None = None):
+        self.collect, self.steps, self.k, self.partial = collect, steps, max_staleness, partial   # collect(step)
         self.pool = ThreadPoolExecutor(max_workers=1) if enabled else None
-        self.pending = pending                        # (trajectories, metrics, seconds, version) of the next step
-        self.future = None
+        self.ready = dict(pending or {})    # step -> (trajectories, metrics, seconds, version): sampled, not taken
+        self.futures = {}                   # step -> the Future of the same, released to the background thread
+        self.waited = 0.0                   # seconds the learner waited for the background thread this step
 
-    def _timed(self, step: int):
+    def _sample(self, step: int, version: int) -> tuple:
         t0 = time.time()
-        return (*self.collect(step), time.time() - t0)
+        trajs, metrics = self.collect(step)
+        if not self.partial:                # the engine held `version` throughout
+            for t in trajs:
+                t.versions = [version if m else -1 for m in t.loss_mask]
+        return trajs, metrics, time.time() - t0, version
+
+    def _result(self, step: int):
+        t0 = time.time()
+        self.ready[step] = self.futures.pop(step).result()
+        self.waited += time.time() - t0
 
     def take(self, step: int) -> tuple[list, dict, float]:
-        """This step's (trajectories, metrics, the engine's seconds for them); in async mode it then starts the next
-        step's batch, from the weights as they are now."""
-        trajs, metrics, seconds, version = self.pending or (*self._timed(step), step - 1)
-        self.pending = None
-        if self.pool is not None and step < self.steps:
-            self.future = self.pool.submit(self._timed, step + 1)
-        return trajs, {**metrics, "rollout/staleness": step - 1 - version}, seconds
+        """This step's (trajectories, metrics, the engine's seconds for them); in async mode it then releases batch
+        step + k, from the weights as they are now (after update step - 1)."""
+        self.waited = 0.0
+        if step in self.futures:
+            self._result(step)
+        trajs, metrics, seconds, _ = self.ready.pop(step) if step in self.ready else self._sample(step, step - 1)
+        stale = staleness_metrics(trajs, step - 1)
+        if stale["rollout/staleness_max"] > (self.k if self.pool is not None else 0):
+            trajs, metrics, seconds, _ = self._sample(step, step - 1)
+            stale = {**staleness_metrics(trajs, step - 1), "rollout/stale_dropped": 1.0}
+        if self.pool is not None:
+            for s in range(step + 1, min(step + self.k, self.steps) + 1):
+                if s not in self.ready and s not in self.futures:
+                    self.futures[s] = self.pool.submit(self._sample, s, max(0, s - 1 - self.k))
+        return trajs, {**metrics, **stale}, seconds
 
     def wait(self, step: int) -> dict:
-        """Block until the next batch is sampled (before the push changes the engine's weights)."""
-        if self.future is None:
-            return {}
-        t0 = time.time()
-        self.pending, self.future = (*self.future.result(), step - 1), None
-        return {"perf/rollout_wait_seconds": time.time() - t0}   # the rollout time the update did not hide
+        """Before the push of update `step`: without partial rollouts, block until every released batch is sampled
+        (they need the older weights) -> the seconds the learner waited for the background thread, this step."""
+        if not self.partial:
+            for s in sorted(self.futures):
+                self._result(s)
+        return {"perf/rollout_wait_seconds": self.waited} if self.waited or self.futures or self.ready else {}
+
+    def pending(self) -> dict | None:
+        """The queue a checkpoint saves: every released batch, sampled (a batch in flight is waited for)."""
+        for s in sorted(self.futures):
+            self._result(s)
+        return dict(self.ready) or None
 
     def shutdown(self):
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def staleness_metrics(trajs: list, learner_version: int) -> dict:
+    """rollout/staleness (mean) and rollout/staleness_max over every sampled token of the batch: updates between the
+    weights that sampled it and the learner's (Trajectory.versions)."""
+    lags = [learner_version - v for t in trajs for v, m in zip(t.versions, t.loss_mask) if m]
+    return {"rollout/staleness": sum(lags) / len(lags) if lags else 0.0,
+            "rollout/staleness_max": float(max(lags, default=0))}
 
 
 # -----------------------------------------------------------------------------
@@ -361,8 +411,11 @@ def main(cfg: Config) -> dict:
     peak = peak_flops(learner_device, cfg.peak_flops)                 # perf/mfu's denominator, per process
     logger = Logger(run_dir, cfg, resume_step=start if resume else None, enabled=is_main())  # logs cut back to start
     pending = load_pending(resume) if resume and cfg.rollout.async_rollouts else None
+    if cfg.rollout.partial_rollouts and is_main():
+        rollouts.engine.version = start           # the engine numbers its weights by RL step, as the schedule does
     prefetch = Prefetcher(lambda step: collect_rollouts(cfg, rollouts, envs, step), cfg.steps,
-                          cfg.rollout.async_rollouts and is_main(), pending)
+                          cfg.rollout.async_rollouts and is_main(), cfg.rollout.max_staleness,
+                          cfg.rollout.partial_rollouts, pending)
     if start == 0 and is_main():
         m = logger.log(0, run_eval(cfg, rollouts, eval_tasks, run_dir, 0))
         print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
@@ -391,8 +444,8 @@ def main(cfg: Config) -> dict:
             if critic is not None:
                 critic, m = critic_step(critic, value_batch, critic_cfg, cfg.algo.value_clip)
                 metrics.update(m)
-            if not shared:
-                weights = merged_state_dict(policy.model)  # every rank joins the gather onto rank 0 (LoRA merged in)
+        if not shared and (updated or cfg.rollout.partial_rollouts):
+            weights = merged_state_dict(policy.model)      # every rank joins the gather onto rank 0 (LoRA merged in)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
         if updated:   # model FLOPs of the update (every epoch) over its time and the peak of the devices that ran it
@@ -406,7 +459,9 @@ def main(cfg: Config) -> dict:
         t2 = time.time()
         if is_main():
             rollouts.wake_up()
-            if updated and not shared:
+            if cfg.rollout.partial_rollouts:      # every step (skipped or not): tokens from here on are version `step`
+                metrics.update(rollouts.update_weights(weights, version=step))
+            elif updated and not shared:
                 metrics.update(rollouts.update_weights(weights))
         if cfg.rollout.sync_check_samples:
             metrics.update(check_weight_sync(cfg, rollouts, policy, trajs, step))
@@ -425,7 +480,7 @@ def main(cfg: Config) -> dict:
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_run_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"), cfg, model_dir, policy, critic,
-                                step, prefetch.pending)
+                                step, prefetch.pending())
 
     # --- the end: final checkpoint, curves, summary
     save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic, max(start, cfg.steps))

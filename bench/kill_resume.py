@@ -1,7 +1,7 @@
 """bench/kill_resume.py: kill a training run with SIGKILL again and again, relaunch it with resume=auto each time, and
 check that it ends byte for byte where an uninterrupted run ends.
 
-    .venv/bin/python bench/kill_resume.py [--kills 20] [--steps 12] [--seed 0] [--out runs/kill_resume]
+    .venv/bin/python bench/kill_resume.py [--kills 20] [--steps 12] [--seed 0] [--out runs/kill_resume] [key=value ...]
 
 A tiny run (the embedded default model at test size, toy math, `checkpoint_every=1`, `log_timings=false`, CPU,
 `threads=1`) is run once uninterrupted. Then the same command with `resume=auto` is started and killed (SIGKILL to its
@@ -11,7 +11,9 @@ whole process group) --kills times, each kill chosen in turn from three kinds of
   mid-step     a random fraction of a step after the run logged a step (the next step's rollouts or update);
 and relaunched at once. A last launch runs to the end. Then final/model.safetensors, final/trainer_state.pt (the
 optimizer state, both step counters, the RNG states) and metrics.jsonl must equal the uninterrupted run's, byte for
-byte. Exit status 0 when they do. tests/test_kill_resume.py runs a short version in CI; the README reports a long one.
+byte. Exit status 0 when they do. Overrides after the options go to every launch (e.g. async rollouts with a
+staleness bound, whose queued batches a checkpoint must carry). tests/test_kill_resume.py runs short versions in CI;
+the README reports a long one.
 """
 import argparse
 import glob
@@ -35,9 +37,10 @@ TINY = ["sft.num_demos=400", "sft.max_steps=40", "sft.eval_every=20", "sft.eval_
 COMPARED = ("final/model.safetensors", "final/trainer_state.pt", "metrics.jsonl")
 
 
-def command(out: str, run_name: str, steps: int, seed: int, resume: str = "") -> list[str]:
-    return [sys.executable, "train.py", "--config", "configs/toy_math.yaml", *TINY, f"steps={steps}", f"seed={seed}",
-            f"out_dir={out}", f"model.cache_dir={out}/cache", f"run_name={run_name}", *([f"resume={resume}"] * bool(resume))]
+def command(out: str, run_name: str, steps: int, seed: int, resume: str = "", extra: tuple = ()) -> list[str]:
+    return [sys.executable, "train.py", "--config", "configs/toy_math.yaml", *TINY, *extra, f"steps={steps}",
+            f"seed={seed}", f"out_dir={out}", f"model.cache_dir={out}/cache", f"run_name={run_name}",
+            *([f"resume={resume}"] * bool(resume))]
 
 
 def launch(cmd: list[str], log) -> subprocess.Popen:
@@ -68,7 +71,7 @@ def wait_for(proc: subprocess.Popen, condition, deadline: float) -> bool:
     return False
 
 
-def torture(kills: int, steps: int, seed: int, out: str) -> dict:
+def torture(kills: int, steps: int, seed: int, out: str, extra: tuple = ()) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = open(os.path.join(out, "log.txt"), "w")
@@ -76,10 +79,10 @@ def torture(kills: int, steps: int, seed: int, out: str) -> dict:
     # the reference, which also builds the default model (not under kills: its build is atomic too, but it is not
     # what is tested here); then the control: a second uninterrupted run must give the same bytes (timed: the
     # model is cached by then), or byte-identity after kills would prove nothing
-    subprocess.run(command(out, "uninterrupted", steps, seed), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                   check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    subprocess.run(command(out, "uninterrupted", steps, seed, extra=extra), cwd=ROOT, stdout=log,
+                   stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": ROOT})
     t0, again = time.time(), os.path.join(out, "uninterrupted_again")
-    proc = launch(command(out, "uninterrupted_again", steps, seed), log)
+    proc = launch(command(out, "uninterrupted_again", steps, seed, extra=extra), log)
     wait_for(proc, lambda: logged_steps(again) > 0, t0 + 3600)    # start-up: imports, model, step 0's eval
     startup = time.time() - t0
     if proc.wait() != 0:
@@ -94,7 +97,7 @@ def torture(kills: int, steps: int, seed: int, out: str) -> dict:
         before = logged_steps(run_dir)             # records kept so far: step 0 is the first
         if before >= steps + 1:                    # the run is complete: nothing left to kill
             break
-        proc = launch(command(out, "killed", steps, seed, resume="auto"), log)
+        proc = launch(command(out, "killed", steps, seed, resume="auto", extra=extra), log)
         start = time.time()
         if kind == "random":                       # before the last step of what is left (it resumes where it was)
             left = max(steps - max(before - 1, 0) - 1, 0.5)
@@ -112,8 +115,8 @@ def torture(kills: int, steps: int, seed: int, out: str) -> dict:
         record.append({"kill": k, "kind": kind, "killed": True, "after_s": round(time.time() - start, 2),
                        "during_checkpoint_write": partial, "logged_steps": logged_steps(run_dir)})
         print(json.dumps(record[-1]), flush=True)
-    subprocess.run(command(out, "killed", steps, seed, resume="auto"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                   check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    subprocess.run(command(out, "killed", steps, seed, resume="auto", extra=extra), cwd=ROOT, stdout=log,
+                   stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": ROOT})
     killed = [r for r in record if r["killed"]]
     return {"kills": len(killed), "during_checkpoint_write": sum(r["during_checkpoint_write"] for r in killed),
             "by_kind": {kind: sum(r["kind"] == kind for r in killed) for kind in ("random", "checkpoint", "mid-step")},
@@ -136,8 +139,9 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/kill_resume")
+    p.add_argument("overrides", nargs="*", help="config overrides for every launch, e.g. rollout.async_rollouts=true")
     args = p.parse_args()
-    result = torture(args.kills, args.steps, args.seed, os.path.abspath(args.out))
+    result = torture(args.kills, args.steps, args.seed, os.path.abspath(args.out), tuple(args.overrides))
     print(json.dumps(result, indent=2))
     sys.exit(0 if all(result["identical"].values()) and all(result["control_identical"].values()) else 1)
 

@@ -737,3 +737,40 @@ def test_turn_rewards_and_turn_index(tok):
             gen = engine.replies[tuple(p)]
             expected[len(p):len(p) + len(gen)] = [k] * len(gen)
         assert batch.turn_index[b].tolist() == expected
+
+
+def test_per_token_versions_follow_the_engine_into_to_batch(tok):
+    """Every sampled token records the weight version the engine reports for it (partial rollouts: it may change
+    within a generation), every other token (prompt, observations, padding) -1; an engine that reports none leaves
+    -1 on its tokens too (train.py then stamps the batch's version)."""
+    class Versioned(ScriptedEngine):
+        def generate(self, prompts, params):      # call c's k-th token: version 10 c + k, to check the alignment
+            return [replace(g, versions=[10 * len(self.calls) + k for k in range(len(g.token_ids))])
+                    for g in super().generate(prompts, params)]
+
+    tasks = [calc_task(0, 2, 3), calc_task(1, 40, 17)]
+    script = {t.prompt: three_turn_script(int(t.prompt.split()[1]), int(t.prompt.split()[3][:-1])) for t in tasks}
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=2048)
+    trajs = run_episodes(Versioned(tok, script), {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(max_tokens=200),
+                         seed=0)
+    for tr in trajs:
+        assert len(tr.versions) == len(tr.token_ids)
+        runs, start = [], None                    # the sampled spans (mask 1), one per turn
+        for i, m in enumerate(tr.loss_mask + [0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                runs.append((start, i))
+                start = None
+        assert len(runs) == 3
+        for turn, (a, b) in enumerate(runs, start=1):
+            assert tr.versions[a:b] == [10 * turn + k for k in range(b - a)]
+        assert all(v == -1 for v, m in zip(tr.versions, tr.loss_mask) if not m)
+    batch = to_batch(trajs, pad_id=0)
+    assert batch.versions.shape == batch.input_ids.shape and batch.versions.dtype == agent.torch.long
+    for b, tr in enumerate(trajs):
+        assert batch.versions[b, :len(tr.versions)].tolist() == tr.versions
+        assert (batch.versions[b, len(tr.versions):] == -1).all()
+    plain = run_episodes(ScriptedEngine(tok, script), {"calc": CalcEnv()}, tasks[:1], tok, cfg,
+                         SamplingParams(max_tokens=200), seed=0)
+    assert set(plain[0].versions) == {-1}

@@ -309,3 +309,23 @@ def test_entry_points_as_programs(script, argv):
                 "model.path=/nonexistent": "model.path='/nonexistent': no such folder",
                 "--checkpoint": "--checkpoint '/nonexistent': no such folder"}[argv[0]]
     assert (run.returncode, run.stdout, run.stderr) == (2, "", "config error: " + expected + "\n")
+
+
+def test_bounded_staleness_and_partial_rollouts_are_checked():
+    assert (Config().rollout.max_staleness, Config().rollout.partial_rollouts) == (1, False)   # today's async
+    on = ["rollout.async_rollouts=true", "learner.off_policy.kind=tis"]
+    cfg = load_config(None, [*on, "rollout.max_staleness=3", "rollout.partial_rollouts=true"])
+    assert (cfg.rollout.max_staleness, cfg.rollout.partial_rollouts) == (3, True)
+    with pytest.raises(ValueError, match="max_staleness=0 must be >= 1"):
+        load_config(None, [*on, "rollout.max_staleness=0"])
+    with pytest.raises(ValueError, match="set rollout.async_rollouts=true"):
+        load_config(None, ["rollout.max_staleness=2"])
+    with pytest.raises(TypeError):
+        load_config(None, [*on, "rollout.max_staleness=two"])
+    for extra in (["rollout.partial_rollouts=true"],                                   # no async
+                  [*on, "rollout.partial_rollouts=true", "rollout.engine=vllm"],       # weights swapped by us only
+                  [*on, "rollout.partial_rollouts=true", "ray.rollout_workers=1"]):    # ... in this process
+        with pytest.raises(ValueError, match="partial_rollouts swaps weights into a generation in flight"):
+            load_config(None, extra)
+    with pytest.raises(KeyError, match="did you mean 'rollout.max_staleness'"):
+        load_config(None, [*on, "rollout.max_stalenes=2"])

@@ -1,18 +1,28 @@
 """Nothing is lost when a run is killed: bench/kill_resume.py's short version. A tiny run is killed with SIGKILL three
 times (at a random moment, during a checkpoint write, in the middle of a step), relaunched with resume=auto each time,
-and must end with the uninterrupted run's bytes: final weights, optimizer state, metrics.jsonl. The README reports
-the long version (20 kills)."""
+and must end with the uninterrupted run's bytes: final weights, optimizer state, metrics.jsonl; once synchronous, once
+with async rollouts two updates ahead (rollout.max_staleness=2: the checkpoints carry the queued batches). The README
+reports the long version (20 kills)."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_killed_and_resumed_run_ends_byte_identical(tmp_path):
+# async rollouts two updates ahead: a checkpoint must carry the queue of batches already sampled
+CASES = {"sync": [], "async_k2": ["rollout.async_rollouts=true", "learner.off_policy.kind=tis",
+                                  "rollout.max_staleness=2"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_killed_and_resumed_run_ends_byte_identical(tmp_path, case):
     out = subprocess.run([sys.executable, "bench/kill_resume.py", "--kills", "3", "--steps", "8",
-                          "--out", str(tmp_path / "kr")], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+                          "--out", str(tmp_path / "kr"), *CASES[case]], cwd=ROOT, capture_output=True, text=True,
+                         timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{\n"):])
     assert all(result["control_identical"].values())          # two uninterrupted runs agree: the test can fail
