@@ -174,7 +174,7 @@ def test_invalid_commands_are_observations(house, command):
     assert text == f"Nothing happens.\nAdmissible: look, inventory; {GO_ALL}"
     assert (reward, done, info["tool_errors"], s.tool_errors) == (0.0, False, 0, 0)
     assert replace_counters(s) == replace_counters(s0) and (s.invalid_actions, s.steps) == (1, 1)
-    assert info["metrics"] == {"success": 0.0, "invalid_actions": 1.0, "steps": 1.0}
+    assert info["metrics"] == {"success": 0.0, "invalid_actions": 1.0, "steps": 1.0, "subgoals": 0.0}
 
 
 def replace_counters(state):
@@ -240,7 +240,9 @@ def test_step_limit_ends_with_zero_reward(house):
     short, = play_scripted(house, [task], "expert", seed=0, max_turns=need - 1)
     enough, = play_scripted(house, [task], "expert", seed=0, max_turns=need)
     assert (short["reward"], short["done"], short["turns"]) == (0.0, False, need - 1)
-    assert short["metrics"] == {"success": 0.0, "invalid_actions": 0.0, "steps": need - 1.0}  # counts of a cut episode
+    assert short["metrics"] == {"success": 0.0, "invalid_actions": 0.0, "steps": need - 1.0,    # counts of a cut
+                                "subgoals": short["metrics"]["subgoals"]}                          # episode
+    assert short["metrics"]["subgoals"] >= 1             # the expert holds the object before its last command
     assert (enough["reward"], enough["done"]) == (1.0, True)
 
 
@@ -375,9 +377,10 @@ def test_subgoal_reward_pays_each_subgoal_once_and_names_the_state(house):
             s, _, reward, done, info = do(env, s, c)
             rewards.append(reward)
             keys.append(info["state_key"])
-        assert rewards == [0.0, 0.0, paid, 0.0, 0.0, 0.0, 0.0, paid, 0.0, 1.0 + paid] and done
+        assert rewards == [0.0, 0.0, paid, 0.0, 0.0, 0.0, 0.0, paid, 0.0, 1.0] and done
         assert info["metrics"]["subgoals"] == 2.0
-        assert len(set(keys)) == len(keys)                              # every command here changed the world
+        assert keys[5] == keys[3]              # taking the mug back from shelf 1: the state after "go to shelf 1"
+        assert len(set(keys)) == len(keys) - 1                          # every other command changed the world
     _, s = room(house)
     s, _, _, _, info = do(house, s, "go to drawer 1")
     assert do(house, s, "look")[4]["state_key"] == do(house, s, "inventory")[4]["state_key"] == info["state_key"]
