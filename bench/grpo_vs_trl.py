@@ -1,0 +1,356 @@
+"""bench/grpo_vs_trl.py: the whole GRPO step of train.py vs TRL's GRPOTrainer on the same work, side by side.
+
+    .venv/bin/python bench/grpo_vs_trl.py --trl-python /path/to/venv/bin/python [--sizes default,10m] [--threads 1]
+        [--prompts 8 --group 8 --max-tokens 64 --steps 10 --pairs 3]
+
+Same model folder, same prompts (token for token), same P prompts x G samples x up to M new tokens, one optimizer
+step per RL step, fp32, the same thread count, 10 steps per run. Each run is its own process (so start-up, peak RSS
+and threads are its own), run interleaved A B A B: a warm-up pair (not counted), then `pairs` timed pairs.
+
+  ours  train.main on toy_math, single turn (rollout.agent.max_turns=1), the in-process torch engine, no eval but
+        one held-out task at step 0 and at the end, no wandb, the final checkpoint only (after the timed steps).
+        Loss: learner.policy_loss=ppo (clip 0.2), token-mean over the batch; advantage (r - mean_g) / (std_g + 1e-6);
+        on-policy, so no old-log-prob pass (perf/old_logprob_pass = 0); algo.skip_uniform_batches=false (TRL
+        updates on an all-zero-advantage batch too, and a random model's rewards are all 0); the weight-sync gate
+        (4 trajectories x 8 tokens) stays on, as in every run. Reward: toy_math's (the number given to finish,
+        or the last number of a plain-text answer).
+  trl   TRL's GRPOTrainer (the TRL side is this file run with --trl-python: trl, transformers, datasets are imported
+        only there; they are not dependencies of the project). Fixed as in ../shared/peers' measured harness:
+        use_cpu, fp32, beta 0, num_iterations 1, no vLLM (HF generate, temperature 1, top_p 1, top_k 0), gradient
+        checkpointing off, constant lr, per_device_train_batch_size = micro-batch and gradient accumulation so
+        that one generation round of P x G feeds one optimizer step. Loss: TRL's default loss_type=dapo, PPO-clip
+        0.2 summed over all completion tokens of the batch / their number (the same token-mean); advantage
+        (r - mean_g) / (std_g + 1e-4). Reward: the last number of the completion equals the answer. The prompts are
+        our rendered chat prompts, given as raw text (TRL's non-conversational path), tokenized from the folder's
+        tokenizer.json verbatim; the child checks its ids equal ours on every prompt. It stops at <|im_end|>, as
+        ours does.
+
+Figures per side: median seconds per step (wall time between consecutive step ends: ours from metrics.jsonl's
+perf/elapsed_minutes, TRL from on_step_end callbacks), split into sampling (ours perf/rollout_seconds; TRL the
+time inside model.generate, timed by a wrapper) and update (ours perf/train_seconds; TRL the rest of the step:
+reward, forward, backward, optimizer), start-up (process start to the first step's start: imports, model load,
+trainer or learner set-up; ours also the one-task eval at step 0), and peak RSS (the child's ru_maxrss, read by
+the parent with os.wait4). Ratios are ours / TRL per timed pair, then the median; "speed" is TRL's step time over
+ours (> 1: we are faster).
+
+Sizes: `default` (the embedded default model of configs/toy_math.yaml, built with sft.py on first use and cached in
+--cache-dir), `10m` (the same tokenizer and a Qwen2 shape with random N(0, 0.02) weights, bench/engine_vs_hf.py's
+10m shape: hidden 384, 6 layers, 6 heads / 3 kv, head_dim 64, MLP 1056; ~10.8M parameters).
+A random model rarely samples <|im_end|>, so its episodes run to M tokens, and its rewards are all 0.
+
+Install TRL in a scratch venv outside the repo (../shared/peers/README.md has the exact, pinned commands: torch
+first from the local CPU wheel, then trl 1.16.0, transformers 5.23.0, accelerate 1.15.0, datasets 5.2.0).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+T_PROCESS = time.time()          # a child's start-up is measured from here (before torch or trl is imported)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPES = {                      # model.ModelConfig fields over the default model's config ("default": none)
+    "default": {},
+    "10m": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
+                intermediate_size=1056, head_dim=64, tie_word_embeddings=False),
+}
+N_TRL_PROMPTS = 512             # distinct train prompts written for TRL's dataset (it draws P per step)
+
+
+# -----------------------------------------------------------------------------
+# the parent: models, prompts, interleaved runs, the table
+
+def default_model(cache_dir: str) -> str:
+    """The embedded default model of configs/toy_math.yaml (built by sft.py on first use, then cached)."""
+    from config import load_config
+    from sft import build_default_model
+    cfg = load_config(os.path.join(ROOT, "configs", "toy_math.yaml"), [f"model.cache_dir={cache_dir}"])
+    return build_default_model(cfg)
+
+
+def make_folder(size: str, base: str, out: str) -> str:
+    """The model folder of `size`: the default model itself, or its config with SHAPES[size] and random weights."""
+    if not SHAPES[size]:
+        return base
+    from dataclasses import replace
+
+    from model import ModelConfig, init_model, save_model
+    with open(os.path.join(base, "config.json")) as f:
+        mcfg = replace(ModelConfig.from_hf(json.load(f)), **SHAPES[size])
+    save_model(init_model(mcfg, seed=0), out)
+    shutil.copy(os.path.join(base, "tokenizer.json"), out)
+    return out
+
+
+def write_prompts(folder: str, path: str, seed: int) -> float:
+    """TRL's train file: toy_math's train tasks rendered exactly as agent.init_episodes renders them, with our token
+    ids (the TRL child checks its own against them) -> their mean length in tokens."""
+    from tokenizers import Tokenizer
+
+    from chat import encode, render
+    from env import make_env
+    env, tok = make_env("toy_math"), Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    lengths = []
+    with open(path, "w") as f:
+        for task in env.sample_tasks("train", N_TRL_PROMPTS, seed):
+            _, msgs = env.reset(task, seed=0)
+            text = render(msgs, env.tools(), add_generation_prompt=True, chat_format="qwen2.5")
+            ids = encode(tok, text)
+            lengths.append(len(ids))
+            f.write(json.dumps({"prompt": text, "answer": task.answer, "ids": ids}) + "\n")
+    return sum(lengths) / len(lengths)
+
+
+def run_child(cmd: list[str], threads: int, log_path: str) -> dict:
+    """Run one side in its own process -> its JSON result, plus peak_rss_gib (os.wait4: the child's own ru_maxrss)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
+    result = log_path + ".json"
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd + ["--result", result], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        with open(log_path) as f:
+            sys.exit(f"{' '.join(cmd[:4])} ... failed (exit {p.returncode}):\n{f.read()[-4000:]}")
+    with open(result) as f:
+        out = json.load(f)
+    return {**out, "peak_rss_gib": usage.ru_maxrss / 2 ** 20}           # Linux: KiB
+
+
+def summarize(run: dict) -> dict:
+    """One run -> its medians over the steps (seconds per step, sampling, update) and its start-up and peak RSS."""
+    med = statistics.median
+    return {"step": med(run["step_s"]), "sample": med(run["sample_s"]), "update": med(run["update_s"]),
+            "startup": run["startup_s"], "rss": run["peak_rss_gib"], "tokens": statistics.mean(run["new_tokens"])}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trl-python", help="the python of a venv with trl installed (required unless --sides ours)")
+    ap.add_argument("--sizes", default="default,10m", help="comma-separated: default, 10m")
+    ap.add_argument("--sides", default="ours,trl", help="ours,trl; or ours alone (a check that needs no TRL)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=8, help="P: prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="G: samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=64, help="M: new tokens per sample at most")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward on both sides (0: P x G)")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--pairs", type=int, default=3, help="timed interleaved pairs, after one warm-up pair")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".cache"), help="where the default model is cached")
+    ap.add_argument("--base", default="", help="a model folder to use as `default` instead of the embedded default "
+                    "model (its tokenizer.json serves the 10m shape too)")
+    ap.add_argument("--keep", default="", help="keep the runs' logs and results in this folder")
+    ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return (ours_worker if args.worker == "ours" else trl_worker)(args)
+    sides = args.sides.split(",")
+    if "trl" in sides and not args.trl_python:
+        ap.error("--trl-python is needed for the trl side (or --sides ours)")
+    PG = args.prompts * args.group
+    micro = args.micro_batch or PG
+    if PG % micro:
+        ap.error(f"--micro-batch {micro} must divide P x G = {PG}")
+
+    work = args.keep or tempfile.mkdtemp(prefix="grpo_vs_trl_")
+    os.makedirs(work, exist_ok=True)
+    base = args.base or default_model(args.cache_dir)
+    load = os.getloadavg()
+    print(f"threads {args.threads}, fp32, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
+          f"micro-batch {micro}, lr {args.lr}; a warm-up pair, then {args.pairs} interleaved pairs; "
+          f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    rows = []
+    for size in args.sizes.split(","):
+        folder = make_folder(size, base, os.path.join(work, f"model_{size}"))
+        data = os.path.join(work, f"prompts_{size}.jsonl")
+        prompt_len = write_prompts(folder, data, args.seed)
+        common = ["--folder", folder, "--data", data, "--threads", str(args.threads), "--prompts", str(args.prompts),
+                  "--group", str(args.group), "--max-tokens", str(args.max_tokens), "--steps", str(args.steps),
+                  "--micro-batch", str(micro), "--lr", str(args.lr), "--seed", str(args.seed)]
+        python = {"ours": sys.executable, "trl": args.trl_python}
+        runs = {s: [] for s in sides}
+        for r in range(args.pairs + 1):                                   # round 0: the warm-up pair
+            for side in sides:
+                log = os.path.join(work, f"{size}_{side}_{r}.log")
+                cmd = [python[side], os.path.abspath(__file__), "--worker", side] + common
+                out = summarize(run_child(cmd, args.threads, log))
+                print(f"  {size} {side} {'warm-up' if r == 0 else f'pair {r}'}: {out['step']:.2f} s/step "
+                      f"(sampling {out['sample']:.2f}, update {out['update']:.2f}), start-up {out['startup']:.1f} s, "
+                      f"peak RSS {out['rss']:.2f} GiB, {out['tokens']:.1f} new tokens/sample", flush=True)
+                if r:
+                    runs[side].append(out)
+        rows.append((size, prompt_len, runs))
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
+    print_table(rows, sides, args)
+
+
+def print_table(rows, sides, args):
+    med = statistics.median
+    print(f"threads {args.threads}, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
+          f"medians of {args.pairs} interleaved runs per side; ratios: ours / TRL per pair, median\n")
+    print("| model | side | s/step | sampling s | update s | update share | start-up s | peak RSS GiB "
+          "| new tokens/sample |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size, prompt_len, runs in rows:
+        for s in sides:
+            f = {k: med(r[k] for r in runs[s]) for k in runs[s][0]}
+            print(f"| {size} ({prompt_len:.0f}-token prompts) | {s} | {f['step']:.2f} | {f['sample']:.2f} "
+                  f"| {f['update']:.2f} | {f['update'] / f['step']:.0%} | {f['startup']:.1f} | {f['rss']:.2f} "
+                  f"| {f['tokens']:.1f} |")
+    if "trl" not in sides or "ours" not in sides:
+        return
+    print("\n| model | speed (TRL s/step / ours) | sampling ours/TRL | update ours/TRL | start-up ours/TRL "
+          "| peak RSS ours/TRL |")
+    print("|---|---|---|---|---|---|")
+    for size, _, runs in rows:
+        pairs = list(zip(runs["ours"], runs["trl"]))
+
+        def ratio(key, invert=False):
+            return med((t[key] / o[key]) if invert else (o[key] / t[key]) for o, t in pairs)
+        print(f"| {size} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} | {ratio('update'):.2f} "
+              f"| {ratio('startup'):.2f} | {ratio('rss'):.2f} |")
+
+
+# -----------------------------------------------------------------------------
+# our side: train.main in this process
+
+def ours_worker(args):
+    import torch  # noqa: F401  (imported first, as train.py does, so its import time counts in the start-up)
+
+    import train
+    from config import load_config
+    run_dir = tempfile.mkdtemp(prefix="grpo_vs_trl_ours_")
+    max_prompt = max(len(json.loads(line)["ids"]) for line in open(args.data))
+    overrides = [
+        f"model.path={args.folder}", "envs.0.name=toy_math", "envs.0.eval_size=1",
+        f"steps={args.steps}", f"eval_every={args.steps + 1}",          # held-out eval: step 0 and the end only
+        f"seed={args.seed}", f"threads={args.threads}", "wandb=false", f"out_dir={run_dir}", "run_name=bench",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.agent.n_samples={args.group}",
+        f"rollout.max_tokens={args.max_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "rollout.agent.max_turns=1", f"rollout.agent.max_total_tokens={max_prompt + args.max_tokens + 1}",
+        f"learner.lr={args.lr}", f"learner.micro_batch_size={args.micro_batch}", "learner.policy_loss=ppo",
+        "learner.loss.agg_mode=token-mean", "algo.name=grpo", "algo.skip_uniform_batches=false",
+    ]
+    cfg = load_config(None, overrides)
+    t_main = time.time()
+    train.main(cfg)
+    with open(os.path.join(run_dir, "bench", "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if r.get("step", 0) >= 1 and "perf/step_seconds" in r]
+    ends = [r["perf/elapsed_minutes"] * 60 for r in recs]                # seconds from main's start to each step end
+    step_s = [recs[0]["perf/step_seconds"]] + [b - a for a, b in zip(ends, ends[1:])]
+    out = {"step_s": step_s, "sample_s": [r["perf/rollout_seconds"] for r in recs],
+           "update_s": [r["perf/train_seconds"] for r in recs],
+           "startup_s": t_main - T_PROCESS + ends[0] - recs[0]["perf/step_seconds"],
+           "new_tokens": [r["rollout/response_tokens"] for r in recs],
+           "reward": [r["rollout/reward"] for r in recs],
+           "old_logprob_pass": [r["perf/old_logprob_pass"] for r in recs]}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    with open(args.result, "w") as f:
+        json.dump(out, f)
+
+
+# -----------------------------------------------------------------------------
+# the TRL side: GRPOTrainer in this process (run with the TRL venv's python; trl is imported only here)
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number_reward(completions, answer, **kwargs):
+    """1.0 if the last number in the completion equals the answer, else 0.0 (the peer harness's rule)."""
+    def right(text, want):
+        found = NUMBER.findall(text or "")
+        return bool(found) and abs(float(found[-1]) - float(want)) <= 1e-6
+    return [float(right(c, a)) for c, a in zip(completions, answer)]
+
+
+def trl_worker(args):
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+        os.environ.setdefault(k, "1")                                    # local folders only
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    transformers.set_seed(args.seed)
+    # tokenizer.json verbatim (AutoTokenizer may rebuild a Qwen2 pre-tokenizer: ../shared/peers pitfall 3)
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(args.folder, "tokenizer.json"), eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", padding_side="left", truncation_side="left")
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id                # stop where ours stops
+    model.generation_config.pad_token_id = tok.pad_token_id
+    rows = [json.loads(line) for line in open(args.data)]
+    same = sum(tok(text=r["prompt"])["input_ids"] == r["ids"] for r in rows)
+    if same != len(rows):
+        sys.exit(f"TRL's prompt ids differ from ours on {len(rows) - same} of {len(rows)} prompts")
+
+    gen_s, new_tokens = [], []                    # per generate call (one per step: one generation round)
+    plain_generate = model.generate
+
+    def timed_generate(*a, **kw):
+        t0 = time.time()
+        out = plain_generate(*a, **kw)
+        gen_s.append(time.time() - t0)
+        prompt_len = (kw["input_ids"] if "input_ids" in kw else a[0]).shape[1]
+        done = out[:, prompt_len:] == tok.eos_token_id                    # (B, M) sampled tokens up to the first eos
+        first = torch.where(done.any(1), done.int().argmax(1) + 1, done.shape[1])
+        new_tokens.append(float(first.float().mean()))
+        return out
+    model.generate = timed_generate
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_train_begin(self, a, s, c, **kw):
+            self.ends.append(time.time())
+
+        def on_step_end(self, a, s, c, **kw):
+            self.ends.append(time.time())
+
+    timer = StepTimer()
+    PG = args.prompts * args.group
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="grpo_vs_trl_trl_"), use_cpu=True, bf16=False, fp16=False,
+        max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=PG // args.micro_batch,
+        num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, num_iterations=1, use_vllm=False, gradient_checkpointing=False, seed=args.seed,
+        data_seed=args.seed, logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    trainer = GRPOTrainer(model=model, reward_funcs=last_number_reward, args=cfg, train_dataset=dataset,
+                          processing_class=tok, callbacks=[timer])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)
+    step_s = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+    if len(step_s) != args.steps or len(gen_s) != args.steps:
+        sys.exit(f"expected {args.steps} steps and generate calls, got {len(step_s)} and {len(gen_s)}")
+    out = {"step_s": step_s, "sample_s": gen_s, "update_s": [s - g for s, g in zip(step_s, gen_s)],
+           "startup_s": timer.ends[0] - T_PROCESS, "new_tokens": new_tokens,
+           "loss_type": cfg.loss_type, "versions": {"trl": __import__("trl").__version__,
+                                                    "transformers": transformers.__version__,
+                                                    "torch": torch.__version__}}
+    with open(args.result, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
