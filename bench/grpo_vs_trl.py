@@ -15,8 +15,7 @@ and threads are its own), run interleaved A B A B: a warm-up pair (not counted),
         (4 trajectories x 8 tokens) stays on, as in every run. Reward: toy_math's (the number given to finish,
         or the last number of a plain-text answer).
   trl   TRL's GRPOTrainer (the TRL side is this file run with --trl-python: trl, transformers, datasets are imported
-        only there; they are not dependencies of the project). Fixed as in ../shared/peers' measured harness:
-        use_cpu, fp32, beta 0, num_iterations 1, no vLLM (HF generate, temperature 1, top_p 1, top_k 0), gradient
+        only there; they are not dependencies of the project). GRPOConfig is fixed to the same work: use_cpu, fp32, beta 0, num_iterations 1, no vLLM (HF generate, temperature 1, top_p 1, top_k 0), gradient
         checkpointing off, constant lr, per_device_train_batch_size = micro-batch and gradient accumulation so
         that one generation round of P x G feeds one optimizer step. Loss: TRL's default loss_type=dapo, PPO-clip
         0.2 summed over all completion tokens of the batch / their number (the same token-mean); advantage
@@ -27,8 +26,9 @@ and threads are its own), run interleaved A B A B: a warm-up pair (not counted),
 
 Figures per side: median seconds per step (wall time between consecutive step ends: ours from metrics.jsonl's
 perf/elapsed_minutes, TRL from on_step_end callbacks), split into sampling (ours perf/rollout_seconds; TRL the
-time inside model.generate, timed by a wrapper) and update (ours perf/train_seconds; TRL the rest of the step:
-reward, forward, backward, optimizer), start-up (process start to the first step's start: imports, model load,
+time inside model.generate, timed by a wrapper), update (ours perf/train_seconds: advantages and the learner update;
+TRL the rest of the step: reward, forward, backward, optimizer, logging) and other (ours: the weight-sync gate and
+logging; TRL: none, by that definition), "all but sampling" as a share of the step, start-up (process start to the first step's start: imports, model load,
 trainer or learner set-up; ours also the one-task eval at step 0), and peak RSS (the child's ru_maxrss, read by
 the parent with os.wait4). Ratios are ours / TRL per timed pair, then the median; "speed" is TRL's step time over
 ours (> 1: we are faster).
@@ -38,8 +38,11 @@ Sizes: `default` (the embedded default model of configs/toy_math.yaml, built wit
 10m shape: hidden 384, 6 layers, 6 heads / 3 kv, head_dim 64, MLP 1056; ~10.8M parameters).
 A random model rarely samples <|im_end|>, so its episodes run to M tokens, and its rewards are all 0.
 
-Install TRL in a scratch venv outside the repo (../shared/peers/README.md has the exact, pinned commands: torch
-first from the local CPU wheel, then trl 1.16.0, transformers 5.23.0, accelerate 1.15.0, datasets 5.2.0).
+TRL goes in a scratch venv outside the repo (the versions measured; torch first, so that nothing pulls a CUDA build,
+and a dry run must not list torch among what it would install):
+    python3.11 -m venv /tmp/trl/venv && /tmp/trl/venv/bin/pip install torch==2.13.0
+    /tmp/trl/venv/bin/pip install --dry-run torch==2.13.0 trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0
+    /tmp/trl/venv/bin/pip install torch==2.13.0 trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0
 """
 import argparse
 import json
@@ -126,9 +129,12 @@ def run_child(cmd: list[str], threads: int, log_path: str) -> dict:
 
 
 def summarize(run: dict) -> dict:
-    """One run -> its medians over the steps (seconds per step, sampling, update) and its start-up and peak RSS."""
+    """One run -> its medians over the steps (seconds per step, sampling, update, the rest: ours the weight-sync
+    gate and logging, TRL none, its update being all but sampling) and its start-up, peak RSS and sampled tokens."""
     med = statistics.median
     return {"step": med(run["step_s"]), "sample": med(run["sample_s"]), "update": med(run["update_s"]),
+            "other": med(s - a - b for s, a, b in zip(run["step_s"], run["sample_s"], run["update_s"])),
+            "not_sample": med(s - a for s, a in zip(run["step_s"], run["sample_s"])),
             "startup": run["startup_s"], "rss": run["peak_rss_gib"], "tokens": statistics.mean(run["new_tokens"])}
 
 
@@ -188,7 +194,8 @@ def main():
                 cmd = [python[side], os.path.abspath(__file__), "--worker", side] + common
                 out = summarize(run_child(cmd, args.threads, log))
                 print(f"  {size} {side} {'warm-up' if r == 0 else f'pair {r}'}: {out['step']:.2f} s/step "
-                      f"(sampling {out['sample']:.2f}, update {out['update']:.2f}), start-up {out['startup']:.1f} s, "
+                      f"(sampling {out['sample']:.2f}, update {out['update']:.2f}, other {out['other']:.2f}), "
+                      f"start-up {out['startup']:.1f} s, "
                       f"peak RSS {out['rss']:.2f} GiB, {out['tokens']:.1f} new tokens/sample", flush=True)
                 if r:
                     runs[side].append(out)
@@ -201,19 +208,20 @@ def main():
 def print_table(rows, sides, args):
     med = statistics.median
     print(f"threads {args.threads}, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
-          f"medians of {args.pairs} interleaved runs per side; ratios: ours / TRL per pair, median\n")
-    print("| model | side | s/step | sampling s | update s | update share | start-up s | peak RSS GiB "
+          f"medians of {args.pairs} interleaved runs per side (each run: the median of its steps); ratios: ours / TRL "
+          "per pair, then the median\n")
+    print("| model | side | s/step | sampling s | update s | other s | all but sampling | start-up s | peak RSS GiB "
           "| new tokens/sample |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size, prompt_len, runs in rows:
         for s in sides:
             f = {k: med(r[k] for r in runs[s]) for k in runs[s][0]}
             print(f"| {size} ({prompt_len:.0f}-token prompts) | {s} | {f['step']:.2f} | {f['sample']:.2f} "
-                  f"| {f['update']:.2f} | {f['update'] / f['step']:.0%} | {f['startup']:.1f} | {f['rss']:.2f} "
-                  f"| {f['tokens']:.1f} |")
+                  f"| {f['update']:.2f} | {f['other']:.2f} | {f['not_sample'] / f['step']:.0%} | {f['startup']:.1f} "
+                  f"| {f['rss']:.2f} | {f['tokens']:.1f} |")
     if "trl" not in sides or "ours" not in sides:
         return
-    print("\n| model | speed (TRL s/step / ours) | sampling ours/TRL | update ours/TRL | start-up ours/TRL "
+    print("\n| model | speed (TRL s/step / ours) | sampling ours/TRL | all but sampling ours/TRL | start-up ours/TRL "
           "| peak RSS ours/TRL |")
     print("|---|---|---|---|---|---|")
     for size, _, runs in rows:
@@ -221,7 +229,7 @@ def print_table(rows, sides, args):
 
         def ratio(key, invert=False):
             return med((t[key] / o[key]) if invert else (o[key] / t[key]) for o, t in pairs)
-        print(f"| {size} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} | {ratio('update'):.2f} "
+        print(f"| {size} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} | {ratio('not_sample'):.2f} "
               f"| {ratio('startup'):.2f} | {ratio('rss'):.2f} |")
 
 
@@ -253,7 +261,7 @@ def ours_worker(args):
     ends = [r["perf/elapsed_minutes"] * 60 for r in recs]                # seconds from main's start to each step end
     step_s = [recs[0]["perf/step_seconds"]] + [b - a for a, b in zip(ends, ends[1:])]
     out = {"step_s": step_s, "sample_s": [r["perf/rollout_seconds"] for r in recs],
-           "update_s": [r["perf/train_seconds"] for r in recs],
+           "update_s": [r["perf/train_seconds"] for r in recs], "gate_s": [r["perf/sync_seconds"] for r in recs],
            "startup_s": t_main - T_PROCESS + ends[0] - recs[0]["perf/step_seconds"],
            "new_tokens": [r["rollout/response_tokens"] for r in recs],
            "reward": [r["rollout/reward"] for r in recs],
@@ -270,7 +278,7 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def last_number_reward(completions, answer, **kwargs):
-    """1.0 if the last number in the completion equals the answer, else 0.0 (the peer harness's rule)."""
+    """1.0 if the last number in the completion equals the answer, else 0.0."""
     def right(text, want):
         found = NUMBER.findall(text or "")
         return bool(found) and abs(float(found[-1]) - float(want)) <= 1e-6
@@ -289,7 +297,7 @@ def trl_worker(args):
 
     torch.set_num_threads(args.threads)
     transformers.set_seed(args.seed)
-    # tokenizer.json verbatim (AutoTokenizer may rebuild a Qwen2 pre-tokenizer: ../shared/peers pitfall 3)
+    # tokenizer.json verbatim: transformers 5's AutoTokenizer rebuilds a qwen2 folder's pre-tokenizer from its class
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(args.folder, "tokenizer.json"), eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", padding_side="left", truncation_side="left")
     model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
