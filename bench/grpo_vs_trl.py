@@ -15,10 +15,11 @@ and threads are its own), run interleaved A B A B: a warm-up pair (not counted),
         (4 trajectories x 8 tokens) stays on, as in every run. Reward: toy_math's (the number given to finish,
         or the last number of a plain-text answer).
   trl   TRL's GRPOTrainer (the TRL side is this file run with --trl-python: trl, transformers, datasets are imported
-        only there; they are not dependencies of the project). GRPOConfig is fixed to the same work: use_cpu, fp32, beta 0, num_iterations 1, no vLLM (HF generate, temperature 1, top_p 1, top_k 0), gradient
-        checkpointing off, constant lr, per_device_train_batch_size = micro-batch and gradient accumulation so
-        that one generation round of P x G feeds one optimizer step. Loss: TRL's default loss_type=dapo, PPO-clip
-        0.2 summed over all completion tokens of the batch / their number (the same token-mean); advantage
+        only there; they are not dependencies of the project). GRPOConfig is fixed to the same work: use_cpu, fp32,
+        beta 0, num_iterations 1, no vLLM (HF generate, temperature 1, top_p 1, top_k 0), gradient checkpointing
+        off, constant lr, per_device_train_batch_size = micro-batch and gradient accumulation so that one
+        generation round of P x G feeds one optimizer step. Loss: TRL's default loss_type=dapo, PPO-clip 0.2 summed
+        over all completion tokens of the batch / their number (the same token-mean); advantage
         (r - mean_g) / (std_g + 1e-4). Reward: the last number of the completion equals the answer. The prompts are
         our rendered chat prompts, given as raw text (TRL's non-conversational path), tokenized from the folder's
         tokenizer.json verbatim; the child checks its ids equal ours on every prompt. It stops at <|im_end|>, as
@@ -26,12 +27,12 @@ and threads are its own), run interleaved A B A B: a warm-up pair (not counted),
 
 Figures per side: median seconds per step (wall time between consecutive step ends: ours from metrics.jsonl's
 perf/elapsed_minutes, TRL from on_step_end callbacks), split into sampling (ours perf/rollout_seconds; TRL the
-time inside model.generate, timed by a wrapper), update (ours perf/train_seconds: advantages and the learner update;
-TRL the rest of the step: reward, forward, backward, optimizer, logging) and other (ours: the weight-sync gate and
-logging; TRL: none, by that definition), "all but sampling" as a share of the step, start-up (process start to the first step's start: imports, model load,
-trainer or learner set-up; ours also the one-task eval at step 0), and peak RSS (the child's ru_maxrss, read by
-the parent with os.wait4). Ratios are ours / TRL per timed pair, then the median; "speed" is TRL's step time over
-ours (> 1: we are faster).
+time inside model.generate, timed by a wrapper), update (ours perf/train_seconds: advantages and the learner
+update; TRL the rest of the step: reward, forward, backward, optimizer, logging) and other (ours: the weight-sync
+gate and logging; TRL: none, by that definition); "all but sampling" is that share of the step. Start-up: process
+start to the first step's start (imports, model load, trainer or learner set-up; ours also the one-task eval at
+step 0). Peak RSS: the child's ru_maxrss, read by the parent with os.wait4. Ratios are ours / TRL per timed pair,
+then the median; "speed" is TRL's step time over ours (> 1: we are faster).
 
 Sizes: `default` (the embedded default model of configs/toy_math.yaml, built with sft.py on first use and cached in
 --cache-dir), `10m` (the same tokenizer and a Qwen2 shape with random N(0, 0.02) weights, bench/engine_vs_hf.py's
@@ -41,8 +42,8 @@ A random model rarely samples <|im_end|>, so its episodes run to M tokens, and i
 TRL goes in a scratch venv outside the repo (the versions measured; torch first, so that nothing pulls a CUDA build,
 and a dry run must not list torch among what it would install):
     python3.11 -m venv /tmp/trl/venv && /tmp/trl/venv/bin/pip install torch==2.13.0
-    /tmp/trl/venv/bin/pip install --dry-run torch==2.13.0 trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0
-    /tmp/trl/venv/bin/pip install torch==2.13.0 trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0
+    PINS="torch==2.13.0 trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0"
+    /tmp/trl/venv/bin/pip install --dry-run $PINS && /tmp/trl/venv/bin/pip install $PINS
 """
 import argparse
 import json
