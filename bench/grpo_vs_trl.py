@@ -5,7 +5,7 @@
 
 Same model folder, same prompts (token for token), same P prompts x G samples x up to M new tokens, one optimizer
 step per RL step, fp32, the same thread count, 10 steps per run. Each run is its own process (so start-up, peak RSS
-and threads are its own), run interleaved A B A B: a warm-up pair (not counted), then `pairs` timed pairs.
+and threads are its own), run interleaved A B A B: a warm-up pair (not counted; --warmup-pairs), then `pairs` timed pairs.
 
   ours  train.main on toy_math, single turn (rollout.agent.max_turns=1), the in-process torch engine, no eval but
         one held-out task at step 0 and at the end, no wandb, the final checkpoint only (after the timed steps).
@@ -151,7 +151,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward on both sides (0: P x G)")
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--pairs", type=int, default=3, help="timed interleaved pairs, after one warm-up pair")
+    ap.add_argument("--pairs", type=int, default=3, help="timed interleaved pairs, after the warm-up pairs")
+    ap.add_argument("--warmup-pairs", type=int, default=1, help="untimed pairs first (file caches, imports)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".cache"), help="where the default model is cached")
     ap.add_argument("--base", default="", help="a model folder to use as `default` instead of the embedded default "
@@ -177,7 +178,8 @@ def main():
     base = args.base or default_model(args.cache_dir)
     load = os.getloadavg()
     print(f"threads {args.threads}, fp32, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
-          f"micro-batch {micro}, lr {args.lr}; a warm-up pair, then {args.pairs} interleaved pairs; "
+          f"micro-batch {micro}, lr {args.lr}; {args.warmup_pairs} warm-up pair(s), then {args.pairs} interleaved "
+          "pairs; "
           f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     rows = []
     for size in args.sizes.split(","):
@@ -189,16 +191,18 @@ def main():
                   "--micro-batch", str(micro), "--lr", str(args.lr), "--seed", str(args.seed)]
         python = {"ours": sys.executable, "trl": args.trl_python}
         runs = {s: [] for s in sides}
-        for r in range(args.pairs + 1):                                   # round 0: the warm-up pair
+        for r in range(args.warmup_pairs + args.pairs):                  # the warm-up pairs first
             for side in sides:
                 log = os.path.join(work, f"{size}_{side}_{r}.log")
                 cmd = [python[side], os.path.abspath(__file__), "--worker", side] + common
                 out = summarize(run_child(cmd, args.threads, log))
-                print(f"  {size} {side} {'warm-up' if r == 0 else f'pair {r}'}: {out['step']:.2f} s/step "
+                timed = r >= args.warmup_pairs
+                print(f"  {size} {side} {f'pair {r + 1 - args.warmup_pairs}' if timed else 'warm-up'}: "
+                      f"{out['step']:.2f} s/step "
                       f"(sampling {out['sample']:.2f}, update {out['update']:.2f}, other {out['other']:.2f}), "
                       f"start-up {out['startup']:.1f} s, "
                       f"peak RSS {out['rss']:.2f} GiB, {out['tokens']:.1f} new tokens/sample", flush=True)
-                if r:
+                if timed:
                     runs[side].append(out)
         rows.append((size, prompt_len, runs))
     load = os.getloadavg()
