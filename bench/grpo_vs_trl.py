@@ -5,7 +5,8 @@
 
 Same model folder, same prompts (token for token), same P prompts x G samples x up to M new tokens, one optimizer
 step per RL step, fp32, the same thread count, 10 steps per run. Each run is its own process (so start-up, peak RSS
-and threads are its own), run interleaved A B A B: a warm-up pair (not counted; --warmup-pairs), then `pairs` timed pairs.
+and threads are its own), run interleaved A B A B: a warm-up pair (not counted; --warmup-pairs), then `pairs` timed
+pairs.
 
   ours  train.main on toy_math, single turn (rollout.agent.max_turns=1), the in-process torch engine, no eval but
         one held-out task at step 0 and at the end, no wandb, the final checkpoint only (after the timed steps).
