@@ -90,7 +90,8 @@ def make_folder(size: str, base: str, out: str) -> str:
     with open(os.path.join(base, "config.json")) as f:
         mcfg = replace(ModelConfig.from_hf(json.load(f)), **SHAPES[size])
     save_model(init_model(mcfg, seed=0), out)
-    shutil.copy(os.path.join(base, "tokenizer.json"), out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):   # what a checkpoint copies
+        shutil.copy(os.path.join(base, name), out)
     return out
 
 
