@@ -117,7 +117,7 @@ def write_prompts(folder: str, path: str, seed: int) -> float:
 def run_child(cmd: list[str], threads: int, log_path: str) -> dict:
     """Run one side in its own process -> its JSON result, plus peak_rss_gib (os.wait4: the child's own ru_maxrss)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     result = log_path + ".json"
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd + ["--result", result], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -293,6 +293,8 @@ def last_number_reward(completions, answer, **kwargs):
 
 
 def trl_worker(args):
+    here = (ROOT, os.path.dirname(os.path.abspath(__file__)))           # our files must not shadow a module of theirs
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") not in here]
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
         os.environ.setdefault(k, "1")                                    # local folders only
     import torch
