@@ -19,8 +19,8 @@ sampled, or the importance ratio is off from the first step. Only the observatio
 
 An engine is anything with `generate(prompts: list[list[int]], params) -> [Generation]` (rollout.py: token ids
 in, token ids and log-probs out, n samples per prompt, prompt-major); the loop reads `params` only through
-dataclasses.replace and a Generation's token_ids and logprobs (and versions, when it has them), so it imports no
-engine.
+dataclasses.replace and a Generation's token_ids, logprobs and kept_sizes (and versions, when it has them), so it
+imports no engine.
 
 A rollout source answers `play(tasks, params, seed, judge_weight, agent) -> (trajectories, metrics)`:
 LocalRollouts here (the loop in this process, around one engine), cluster.RayRollouts on Ray workers. train.py
@@ -82,6 +82,9 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)  # (T,) weight version (updates seen) of the weights that
                                        # sampled each token, -1 on tokens not sampled; -1 also where the engine does
                                        # not report one (train.py then stamps the batch's version)
+    kept_sizes: list[int] = field(default_factory=list)  # (T,) per sampled token, the size of the top-k / top-p set
+                                       # the engine drew it from (Generation.kept_sizes; -1: not reported), 0 on
+                                       # tokens drawn from the whole vocabulary and elsewhere (empty: all 0)
 
 
 class StepResult(NamedTuple):
@@ -143,7 +146,7 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
             ids = list(prompt_cache[text])
             traj = Trajectory(task=task, group=g, sample=s, token_ids=ids, loss_mask=[0] * len(ids),
                               logprobs=[0.0] * len(ids), prompt_len=len(ids), messages=list(msgs),
-                              versions=[-1] * len(ids))
+                              versions=[-1] * len(ids), kept_sizes=[0] * len(ids))
             if len(ids) + _MIN_ROOM > cfg.max_total_tokens:
                 traj.finish_reason = "max_tokens"
             trajs.append(traj)
@@ -200,6 +203,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
                 if t in stop_ids:
                     ids, lps = ids[:k + 1], lps[:k + 1]
                     break
+            kept = list(gen.kept_sizes[:len(ids)]) or [0] * len(ids)   # empty: not truncated
             stopped = bool(ids) and ids[-1] in stop_ids
             content_ids = ids[:-1] if stopped else ids
             traj.turn_starts.append(len(traj.token_ids))
@@ -208,6 +212,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             traj.loss_mask += [1] * len(ids)
             traj.logprobs += [float(x) for x in lps]
             traj.versions += list(gen.versions[:len(ids)]) if getattr(gen, "versions", None) else [-1] * len(ids)
+            traj.kept_sizes += kept
             if not ids or ids[-1] != im_end:
                 # cut by max_tokens (or stopped by another stop token): close the turn so the conversation
                 # stays well formed. Forced, not sampled: mask 0, so the policy is not trained on it.
@@ -215,6 +220,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
                 traj.loss_mask.append(0)
                 traj.logprobs.append(0.0)
                 traj.versions.append(-1)
+                traj.kept_sizes.append(0)
 
             text = tokenizer.decode(content_ids, skip_special_tokens=False)
             action = make_action(text)
@@ -258,6 +264,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             traj.loss_mask += [0] * len(cont)
             traj.logprobs += [0.0] * len(cont)
             traj.versions += [-1] * len(cont)
+            traj.kept_sizes += [0] * len(cont)
             traj.messages += list(obs)
             state_keys[i] = state_key(info.get("state_key", cont))
             still_active.append(i)
@@ -339,6 +346,9 @@ class RolloutBatch:
     group_ids: torch.Tensor            # (B,) long, index of the task in the batch (GRPO group)
     lengths: torch.Tensor              # (B,) long, real tokens per row (the rest is padding)
     versions: torch.Tensor | None = None  # (B, T) long, weight version that sampled token t (-1 where the mask is 0)
+    kept_sizes: torch.Tensor | None = None  # (B, T) long, size of the top-k / top-p set token t was drawn from (-1:
+                                       # not reported, the learner infers it; 0: whole vocabulary, and where mask is
+                                       # 0); None: all 0
 
 
 def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
@@ -351,6 +361,7 @@ def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
         input_ids=pad_right([t.token_ids for t in trajs], pad_id, torch.long),            # (B, T)
         loss_mask=loss_mask,
         logprobs=pad_right([t.logprobs for t in trajs], 0.0, torch.float),                # (B, T)
+        kept_sizes=pad_right([t.kept_sizes or [0] * len(t.token_ids) for t in trajs], 0, torch.long),  # (B, T)
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float),              # (B,)
         turn_rewards=pad_right([t.turn_rewards or [0.0] for t in trajs], 0.0, torch.float),   # (B, K)
         turn_mask=pad_right([m or [0.0] for m in turns], 0.0, torch.float),                    # (B, K)

@@ -773,3 +773,30 @@ def truncated_logprobs(logits, tokens, kept, temperature: float):
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature   # (..., V)
     logp = torch.log_softmax(z.masked_fill(~kept, -torch.inf), dim=-1)          # (..., V) -inf off the set
     return logp.gather(-1, tokens[..., None].long()).squeeze(-1)               # (...)
+
+
+def kept_size_from_logprob(logits, tokens, logprob, temperature: float):
+    """The size n of the top-n set under which token y has the truncated log-prob `logprob`. long (...).
+
+        n = argmin_n | z_y - log sum_{top n} exp(z) - logprob |,   z = logits / T,   n > #{v : z_v > z_y}
+
+    For an engine that reports the log-prob of its sample under the truncated distribution but not the set it
+    kept (vLLM with logprobs_mode=processed_logprobs). logits (..., V), tokens (...), logprob (...). The top-n
+    log-sum-exp grows with n (each token adds mass), so z_y - LSE_n falls with n and the match is unique, except
+    among tail tokens whose mass is below float rounding, where every choice gives the same log-prob to that
+    rounding. n is at least y's rank: y was drawn, so it was kept. On the logits that sampled it gives the set
+    truncation_mask chose; on logits that differ by rounding, the set that reproduces the engine's log-prob best.
+    Rebuild the set with kept_mask_from_size(logits, n, tokens).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature   # (..., V)
+    V = z.shape[-1]
+    lse = z.sort(dim=-1, descending=True).values.logcumsumexp(dim=-1)           # (..., V) log-sum-exp of the top n
+    z_y = z.gather(-1, tokens[..., None].long())                                # (..., 1)
+    # --- algorithm ---
+    gap = (z_y - lse - logprob[..., None].to(z.dtype)).abs()                    # (..., V) at n = 1..V
+    above = (z > z_y).sum(dim=-1, keepdim=True)                                 # (..., 1) tokens ranked above y
+    gap = gap.masked_fill(torch.arange(V, device=z.device) < above, torch.inf)  # n - 1 < above: y not in the set
+    # --- end algorithm ---
+    return gap.argmin(dim=-1) + 1                                               # (...) the first best n

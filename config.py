@@ -57,7 +57,11 @@ class RolloutConfig:
     served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
     temperature: float = 1.0         # sampling temperature (the learner scores at the same temperature)
-    top_p: float = 1.0               # nucleus sampling mass
+    top_p: float = 1.0               # nucleus sampling mass, in (0, 1] (1: off)
+    top_k: int = 0                   # sample among the top_k most likely tokens only (0: off); top-k, then top-p. With
+                                     # either on, every sampled token records the size of the set it was drawn from
+                                     # and the learner scores that truncated, renormalised distribution (so the
+                                     # on-policy ratio is 1): see the top-k / top-p section of learner.py
     max_tokens: int = 96             # new tokens per assistant turn at most
     max_batch_size: int = 256        # sequences the engine decodes at once
     prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many token positions between
@@ -382,9 +386,17 @@ def validate(cfg: Config) -> Config:
         raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
                          "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
                          "ray.rollout_workers=0)")
-    if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
-        raise ValueError("rollout.engine=vllm needs rollout.top_p=1: vLLM reports log-probs after top-p truncation, "
-                         "which the learner does not apply (see rollout.VLLMEngine)")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ValueError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1] (1: off; 0.9 keeps the smallest set of "
+                         "tokens holding 90% of the mass)")
+    if cfg.rollout.top_k < 0:
+        raise ValueError(f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off)")
+    truncated = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
+    if cfg.rollout.engine == "vllm" and truncated and cfg.rollout.async_rollouts:
+        raise ValueError("rollout.engine=vllm with top_p < 1 or top_k > 0 needs synchronous rollouts: vLLM does not "
+                         "report the kept set, and the learner infers it from the sampled token's log-prob on its "
+                         "own weights, which async rollouts have already moved (rollout.VLLMEngine). Use "
+                         "rollout.async_rollouts=false, or rollout.engine=torch")
     validate_ray(cfg)
     if cfg.eval.n_samples < 1:
         raise ValueError(f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)")

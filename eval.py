@@ -231,7 +231,7 @@ def main(argv=None):
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
     engine = make_engine(cfg.rollout.engine, args.checkpoint, pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          **{**engine_options(cfg), "seed": cfg.eval_seed})
-    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
+    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
     rollouts = LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
     metrics, trajs = evaluate(rollouts, tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,

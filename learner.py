@@ -107,6 +107,10 @@ class TrainBatch:
                                           # cfg.kl_coef > 0 (the KL term of the loss)
     old_from_update: bool = False         # no old_logprobs: the update is exactly on-policy (old_logprobs_needed is
                                           # False) and takes pi_old = its own log-probs, detached
+    kept_sizes: torch.Tensor | None = None  # (B, T) long, the size of the top-k / top-p set each token was sampled
+                                          # from (0: whole vocabulary); the policy's log-probs (new, and old when
+                                          # scored) are then of that truncated distribution (truncated_score). None:
+                                          # no truncation
 
 
 def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_model: Transformer | None = None) -> LearnerState:
@@ -272,13 +276,52 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # -----------------------------------------------------------------------------
 # scoring
 
+# Top-k / top-p sampling: the engine drew each token from softmax(logits / T) renormalised over a kept set and
+# recorded the set's size (rollout.sample_tokens). The policy's log-probs, new and old, are scored under that same
+# truncated distribution, the set rebuilt on the learner's own logits (algos.kept_mask_from_size), so the on-policy
+# ratio to the engine is 1 (to float rounding) instead of off by the dropped mass. The reference (the KL term) and
+# the teacher (distillation) are scored over the full vocabulary: they are the targets the sampler is compared with,
+# KL(pi_trunc || ref), and truncating them with the policy's set would move the target with the policy's sampling
+# choices. At pi = ref the KL estimate is then -log(kept mass) per token, but its gradient there has zero mean
+# (a constant per position times the score function of the truncated policy).
+
+def truncated_score(z: torch.Tensor, tokens: torch.Tensor, kept_sizes: torch.Tensor) -> torch.Tensor:
+    """model.token_logprobs' score of a top-k / top-p sample: log p(y) under softmax(z) renormalised over the
+    kept_sizes largest logits (the engine's set, rebuilt on these logits; y always in it; 0: the whole vocabulary).
+    z = logits / temperature (C, V), tokens (C,), kept_sizes (C,) -> (C,)."""
+    size = torch.where(kept_sizes > 0, kept_sizes, z.shape[-1])                  # (C,)
+    return algos.truncated_logprobs(z, tokens, algos.kept_mask_from_size(z, size, tokens), 1.0)
+
+
+def _kept_size_score(z: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """model.token_logprobs' score that infers a truncated set's size from its log-prob (as float, for the (B, T)
+    output): algos.kept_size_from_logprob."""
+    return algos.kept_size_from_logprob(z, tokens, logprobs, 1.0).float()
+
+
+def infer_kept_sizes(model: Transformer, input_ids: torch.Tensor, kept_sizes: torch.Tensor, logprobs: torch.Tensor,
+                     micro_batch_size: int, temperature: float = 1.0, chunk_size: int = 256,
+                     max_tokens: int = 0) -> torch.Tensor:
+    """kept_sizes (B, T) with every -1 (a truncated token whose set the engine did not report: vLLM) replaced by the
+    size that reproduces the engine's log-prob of it on this model's logits (algos.kept_size_from_logprob). One
+    extra scoring pass over those tokens. The model must hold the weights that sampled (synchronous rollouts):
+    on other weights the inferred set would absorb part of the policy change."""
+    todo = kept_sizes < 0                                                        # (B, T)
+    if not bool(todo.any()):
+        return kept_sizes
+    found = compute_logprobs(model, input_ids, micro_batch_size, temperature, chunk_size, todo.float(), max_tokens,
+                             score=_kept_size_score, score_args=logprobs)        # (B, T) sizes, 0 elsewhere
+    return torch.where(todo, found.round().long(), kept_sizes)
+
+
 @torch.no_grad()
 def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_size: int,
                      temperature: float = 1.0, chunk_size: int = 256, mask: torch.Tensor | None = None,
-                     max_tokens: int = 0) -> torch.Tensor:
+                     max_tokens: int = 0, score=None, score_args: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs of a whole batch, micro-batch by micro-batch, without gradients. -> (B, T)
     With `mask`, rows are grouped by length and only the masked tokens are scored (0 elsewhere). max_tokens > 0
-    packs micro-batches by a token budget (LearnerConfig.max_tokens_per_micro_batch).
+    packs micro-batches by a token budget (LearnerConfig.max_tokens_per_micro_batch). score, score_args (B, T):
+    model.token_logprobs' (truncated_score with the batch's kept sizes: a top-k / top-p sample's log-probs).
     Under torchrun each rank scores its share of the rows and a sum over ranks fills in the rest (the
     other ranks' rows are exact zeros here), so every rank returns the same full (B, T) tensor."""
     was_training = model.training
@@ -289,8 +332,9 @@ def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_si
     for idx, dummy in _rank_micro_batches(lens, micro_batch_size, max_tokens):
         L = int(lens[idx].max())
         m = mask[idx, :L].to(dev) if mask is not None else None                  # score only the masked tokens
+        args = score_args[idx, :L].to(dev) if score_args is not None else None
         logp = model.token_logprobs(input_ids[idx, :L].to(dev), temperature=temperature, chunk_size=chunk_size,
-                                    mask=m)
+                                    mask=m, score=score, score_args=args)
         if not dummy:
             out[idx, :L] = logp.float().cpu()                                    # (m, L)
     model.train(was_training)
@@ -415,6 +459,9 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     elif cfg.off_policy.kind != "none" and batch.engine_logprobs is None:
         raise ValueError(f"learner.off_policy.kind={cfg.off_policy.kind} needs the engine's log-probs "
                          "(TrainBatch.engine_logprobs)")
+    kept = batch.kept_sizes
+    if kept is not None and bool((kept < 0).any()):
+        raise ValueError("batch.kept_sizes has -1 (sets not reported by the engine): infer_kept_sizes first")
     ref = batch.ref_logprobs
     if cfg.kl_coef > 0 and ref is None:
         raise ValueError("learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)")
@@ -430,9 +477,12 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
             def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
                 r = rows[idx]
                 ids, m = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) columns past L are padding
-                # only the trained tokens are scored; the entropy has autograd only when it is in the loss
+                # only the trained tokens are scored; the entropy has autograd only when it is in the loss; a top-k /
+                # top-p sample is scored under the truncated distribution it was drawn from (truncated_score)
+                trunc = {} if kept is None else dict(score=truncated_score, score_args=kept[r, :L].to(dev))
                 logp, ent = model.token_logprobs(ids, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                                                 return_entropy=True, mask=m, entropy_grad=cfg.entropy_coef > 0)
+                                                 return_entropy=True, mask=m, entropy_grad=cfg.entropy_coef > 0,
+                                                 **trunc)
                 # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
                 old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
                 loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,

@@ -287,7 +287,7 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, position_ids, key_padding_mask, kv_cache))
 
     def token_logprobs(self, input_ids, temperature=1.0, chunk_size=256, return_entropy=False, mask=None,
-                       entropy_grad=True):
+                       entropy_grad=True, score=None, score_args=None):
         """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] / temperature)
         [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token). entropy[:, t] is the entropy of that
         same distribution (0 at t = 0).
@@ -298,19 +298,26 @@ class Transformer(nn.Module):
         a time in fp32, each chunk under activation checkpointing, so the (tokens, V) fp32 logits are at most
         (chunk_size, V), in forward and backward, whatever B x T is. entropy_grad=False computes the entropy as a
         metric only (no autograd through the full-vocabulary entropy: the learner's default, entropy_coef = 0).
+
+        score, score_args (B, T), optional: another score of each chosen token, score(z, targets, args) -> (C,) with
+        z = logits / temperature (C, V) fp32 and the chunk's targets and score_args entries (C,), in place of
+        log softmax(z)[target]. The learner scores a top-k / top-p sample under the truncated distribution it was
+        drawn from this way (learner.truncated_score). The entropy stays that of softmax(z).
         """
         B, T = input_ids.shape
         h = self.hidden_states(input_ids)[:, :-1]                       # (B, T-1, H) position t-1 predicts token t
         keep = torch.ones(B, T - 1, dtype=torch.bool, device=h.device) if mask is None else mask[:, 1:].bool()
         rows, cols = keep.nonzero(as_tuple=True)                        # (N,) x2, row-major
         h_sel, targets = h[rows, cols], input_ids[:, 1:][rows, cols]    # (N, H), (N,)
+        args = score_args[:, 1:][rows, cols] if score is not None else targets   # (N,)
 
-        def chunk_logprobs(h_c, tgt_c):
+        def chunk_logprobs(h_c, tgt_c, args_c):
             logits = self.lm_head(h_c).float()                          # (C, V)
             if temperature != 1.0:                                      # sampled at T: score softmax(logits / T)
                 logits = logits / temperature
-            logp_all = torch.log_softmax(logits, dim=-1)                # (C, V)
-            logp = logp_all.gather(-1, tgt_c[:, None]).squeeze(-1)      # (C,)
+            logp_all = torch.log_softmax(logits, dim=-1) if score is None or return_entropy else None  # (C, V)
+            logp = (logp_all.gather(-1, tgt_c[:, None]).squeeze(-1) if score is None
+                    else score(logits, tgt_c, args_c))                  # (C,)
             if not return_entropy:
                 return logp, torch.zeros_like(logp)
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -321,8 +328,8 @@ class Transformer(nn.Module):
         # at least one chunk, empty when nothing is masked: the result still hangs off the decoder's graph, so a
         # backward runs (under FSDP every rank must join every backward's collectives)
         for s in range(0, max(h_sel.shape[0], 1), chunk_size):
-            args = (h_sel[s:s + chunk_size], targets[s:s + chunk_size])
-            lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args)
+            chunk = (h_sel[s:s + chunk_size], targets[s:s + chunk_size], args[s:s + chunk_size])
+            lp, ent = checkpoint(chunk_logprobs, *chunk, use_reentrant=False) if recompute else chunk_logprobs(*chunk)
             logps.append(lp)
             ents.append(ent)
 

@@ -2,7 +2,9 @@
 
 Every engine speaks token ids in, token ids + log-probs out: `generate(prompts, SamplingParams)` takes a list of
 token-id prompts and returns `len(prompts) * n` `Generation`s (prompt-major), each with the sampled ids and the
-log-prob of every sampled id, of softmax(logits / T) before top-p (T = 1 when greedy). Engines that train also
+log-prob of every sampled id under the distribution it was drawn from: softmax(logits / T) (T = 1 when greedy), or
+with top-k / top-p that softmax renormalised over the kept set, whose size is recorded per token (kept_sizes) so
+the learner can score the same truncated distribution (algos.truncation_mask / kept_mask_from_size). Engines that train also
 take `update_weights(state_dict)` with Hugging Face names, and `sleep()` / `wake_up()` around the update (they
 free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, chat templates and tools live in
 chat.py and agent.py, so an engine never sees a string.
@@ -24,7 +26,8 @@ weights. Running engines on Ray workers is cluster.py's job.
 Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct prompts, C cache columns holding
         prefix-cached tokens, S columns of tokens to prefill (the longest prompt when nothing is cached), N max new
         tokens, V vocab, H hidden.
-Imports: model.py only (and torch, safetensors, the standard library; vllm inside VLLMEngine).
+Imports: model.py, and algos.py for the one definition of the top-k / top-p set (truncation_mask), which the
+learner rebuilds (and torch, safetensors, the standard library; vllm inside VLLMEngine).
 """
 import json
 import logging
@@ -36,12 +39,13 @@ import urllib.error
 import urllib.request
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
+import algos
 from model import KVCache, Transformer, load_model, safetensors_files
 
 
@@ -50,7 +54,8 @@ class SamplingParams:
     """What an engine is asked to do with each prompt (the same fields for torch, vLLM and remote engines)."""
     n: int = 1                      # samples per prompt; outputs are ordered prompt-major
     temperature: float = 1.0        # 0 means greedy
-    top_p: float = 1.0              # nucleus sampling mass
+    top_p: float = 1.0              # nucleus sampling mass (1: off)
+    top_k: int = 0                  # sample among the k most likely tokens only (0: off); top-k first, then top-p
     max_tokens: int = 256           # new tokens at most, per sample
     stop_token_ids: tuple = ()      # generation stops after emitting one of these (it is kept in the output)
     seed: int | None = None         # seed of the engine's torch.Generator for this call (None: nondeterministic)
@@ -60,39 +65,46 @@ class SamplingParams:
 class Generation:
     """One sampled continuation: exactly the tokens the engine produced, with their log-probs."""
     token_ids: list[int]            # (N,) generated ids, including the stop token when one was hit
-    logprobs: list[float]           # (N,) log p(token) under softmax(logits / temperature), before top-p
+    logprobs: list[float]           # (N,) log p(token) under the distribution sampled: softmax(logits / temperature),
+                                    # renormalised over the kept set when top-k / top-p truncated it
     finish_reason: str              # "stop" (a stop token was emitted) or "length" (max_tokens reached)
     versions: list[int] | None = None  # (N,) version of the weights that sampled each token (TorchEngine: it may
                                     # change mid-generation, see TorchEngine.update_weights); None: not reported
+    kept_sizes: list[int] = field(default_factory=list)  # (N,) per token, the size of the top-k / top-p set it was
+                                    # drawn from; -1: truncated, size not reported (vLLM: the learner infers it from
+                                    # the log-prob); empty: no truncation, every token drawn from the whole vocabulary
 
 
 # -----------------------------------------------------------------------------
 # sampling and weight pushes, shared by the engines
 
-def sample_tokens(logits, temperature: float, top_p: float, generator=None):
-    """Pick one token per row. logits (B, V) -> (tokens (B,), logprobs (B,)).
+def sample_tokens(logits, temperature: float, top_p: float = 1.0, generator=None, top_k: int = 0):
+    """Pick one token per row. logits (B, V) -> (tokens (B,), logprobs (B,), kept sizes (B,) long or None).
 
-    The log-prob reported is log softmax(logits / T) at the chosen token (T = 1 when greedy), taken *before*
-    top-p truncation: it is exactly what the learner recomputes with Transformer.token_logprobs, so the
-    importance ratio is 1 when the policy has not changed. (Truncation is part of the sampler, not the policy.)
+    The log-prob reported is that of the distribution the token was drawn from, at the chosen token: log
+    softmax(logits / T) (T = 1 when greedy). With top-k / top-p (temperature > 0), the token is drawn from that
+    softmax restricted to algos.truncation_mask's set and renormalised, and the log-prob is the truncated one
+    (algos.truncated_logprobs); the set's size comes back too (None when nothing is truncated), so the learner can
+    rebuild the set on its own logits (algos.kept_mask_from_size) and score the very distribution sampled: the
+    importance ratio is then 1 when the policy has not changed. Without truncation nothing extra is computed and
+    the random draws are those of plain sampling.
     """
     logits = logits.float()
-    if temperature == 0:
+    if temperature == 0:                                                # greedy: top-k / top-p change nothing
         tokens = logits.argmax(-1)                                      # (B,)
         logp_all = torch.log_softmax(logits, dim=-1)                    # (B, V)
+    elif top_p < 1.0 or top_k > 0:
+        # top-k, then nucleus (Holtzman et al. 2019, https://arxiv.org/abs/1904.09751): the set is defined once, in
+        # algos.truncation_mask, which the learner's kept_mask_from_size rebuilds from its size
+        kept = algos.truncation_mask(logits, temperature, top_k, top_p)  # (B, V)
+        probs = torch.softmax((logits / temperature).masked_fill(~kept, -torch.inf), dim=-1)  # (B, V) renormalised
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        return tokens, algos.truncated_logprobs(logits, tokens, kept, temperature), kept.sum(-1)
     else:
         logp_all = torch.log_softmax(logits / temperature, dim=-1)      # (B, V)
         probs = logp_all.exp()                                          # (B, V)
-        if top_p < 1.0:
-            # nucleus (Holtzman et al. 2019, https://arxiv.org/abs/1904.09751): keep the smallest top set whose
-            # mass reaches top_p, i.e. drop a token once the mass ranked above it already reaches top_p; the
-            # top token has nothing above it, so it always survives.
-            sorted_probs, order = probs.sort(dim=-1, descending=True)   # (B, V)
-            mass_above = sorted_probs.cumsum(-1) - sorted_probs         # (B, V)
-            sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)  # (B, V) back in vocab order
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1), None
 
 
 def row_seeds(seed: int | None, n: int) -> list[int | None]:
@@ -355,6 +367,7 @@ class TorchEngine:
         stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((B, N), self.pad_id, dtype=torch.long, device=device)  # (B, N)
         logprobs = torch.zeros(B, N, device=device)                                 # (B, N)
+        kept_sizes = torch.zeros(B, N, dtype=torch.long, device=device)             # (B, N) 0: not truncated
         lengths = torch.full((B,), N, dtype=torch.long, device=device)              # (B,)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)                   # (B,)
         rows = torch.arange(B, device=device)  # (b,) the original row of each row still in the batch
@@ -366,9 +379,12 @@ class TorchEngine:
                 kept.clear()                   # keys and values of the old weights: not for the prefix cache
             versions.append(self.version)
             logits = self.model.lm_head(h[:, -1])                     # (b, V)
-            tok, lp = sample_tokens(logits, params.temperature, params.top_p, generator)  # (b,), (b,)
+            tok, lp, size = sample_tokens(logits, params.temperature, params.top_p, generator,
+                                          params.top_k)                # (b,), (b,), (b,) or None
             # a finished row still in the batch writes past its length; those entries are cut off below
             tokens[rows, t], logprobs[rows, t] = tok, lp
+            if size is not None:
+                kept_sizes[rows, t] = size
             hit = torch.isin(tok, stop_ids) & ~stopped[rows]          # (b,) rows that stop at this step
             lengths[rows[hit]] = t + 1
             stopped[rows[hit]] = True
@@ -389,13 +405,15 @@ class TorchEngine:
             kept.update(self._row_kv(cache, real, rows, torch.arange(len(rows), device=device), C + S))
         lengths, stopped = lengths.tolist(), stopped.tolist()
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        kept_sizes = kept_sizes.tolist() if truncated else [[] for _ in range(B)]
         for row, (k, v, fed) in kept.items():
             # the positions computed: the prompt and the sampled tokens fed back (at most the row's own tokens)
             m = min(fed, lengths[row])
             self.prefix_cache.insert(list(prompts[row]) + tokens[row][:m], k[:, :, :len(prompts[row]) + m],
                                      v[:, :, :len(prompts[row]) + m])
         return [Generation(tokens[i][:lengths[i]], logprobs[i][:lengths[i]], "stop" if stopped[i] else "length",
-                           versions[:lengths[i]]) for i in range(B)]
+                           versions[:lengths[i]], kept_sizes[i][:lengths[i]]) for i in range(B)]
 
     def _swap_weights(self, prompts, rows, real, tokens, cache: KVCache, prompt_end: int, h) -> tuple:
         """A token boundary of partial rollouts: load the pending push, then run every row's tokens so far (prompt and
@@ -476,8 +494,13 @@ class VLLMEngine:
       - in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor put vLLM's engine core and worker in
         this process, so LLM() starts in seconds and a weight push is a function call with a Python iterator;
       - logprobs_mode="processed_logprobs": vLLM then reports log softmax(logits / T), the learner's quantity,
-        instead of raw log-probs (always T = 1). "Processed" also means after top-p truncation, which the
-        learner does not apply, so sampling with top_p < 1 is refused (greedy ignores top_p, as TorchEngine does);
+        instead of raw log-probs (always T = 1). "Processed" also means after top-k / top-p truncation: the
+        log-prob of the sampled token under the renormalised, truncated distribution, which is what the learner
+        must score. vLLM does not say which set it kept, so every truncated token's kept size is recorded as -1
+        and the learner infers it from that log-prob on its own logits (algos.kept_size_from_logprob: the n whose
+        top-n renormalisation reproduces the log-prob; learner.infer_kept_sizes). This needs the learner to hold
+        the weights that sampled (config refuses it with async rollouts). Greedy ignores top-k / top-p, as
+        TorchEngine does;
       - ignore_eos: a generation stops only at params.stop_token_ids, like TorchEngine (vLLM would also stop at the
         EOS ids of generation_config.json); vLLM keeps the stop token in the output, as every engine here does;
       - n samples of a prompt are n rows of n=1, each with its own seed (row_seeds): vLLM refuses n > 1 when
@@ -541,26 +564,25 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate while asleep: call wake_up() first")
-        if params.temperature > 0 and params.top_p < 1:
-            raise ValueError("VLLMEngine cannot sample with top_p < 1: vLLM reports log-probs of the truncated "
-                             "distribution, the learner scores the full one, so the PPO ratio would be off. "
-                             "Use top_p=1, or rollout.engine=torch")
         rows = [p for p in prompts for _ in range(params.n)]       # prompt-major: n rows of prompt 0, then 1, ...
         if not rows or params.max_tokens == 0:
             return [Generation([], [], "length") for _ in rows]
         per_row = [self._vllm.SamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_tokens,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
             skip_special_tokens=False, seed=seed) for seed in row_seeds(params.seed, len(rows))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in rows], per_row, use_tqdm=False)
+        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
         gens = []
         for out in outputs:                                        # in the order of the rows
             c = out.outputs[0]
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM ended a generation with finish_reason={c.finish_reason!r}")
             ids = list(c.token_ids)
-            # logprobs=0: one entry per position, the sampled token's (processed) log-prob
-            gens.append(Generation(ids, [c.logprobs[k][t].logprob for k, t in enumerate(ids)], c.finish_reason))
+            # logprobs=0: one entry per position, the sampled token's (processed) log-prob; with truncation the set's
+            # size is not reported: -1, for the learner to infer (class docstring)
+            gens.append(Generation(ids, [c.logprobs[k][t].logprob for k, t in enumerate(ids)], c.finish_reason,
+                                   kept_sizes=[-1] * len(ids) if truncated else []))
         return gens
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]):
@@ -633,7 +655,7 @@ class OpenAIEngine:
     to `max_concurrency` at a time, with `n` samples each; a request that fails is retried `retries` times
     with a growing pause, then raises RuntimeError with the server's message. Standard library only.
 
-    Request fields: prompt (ids), n, temperature, top_p, max_tokens, seed, stop_token_ids, logprobs=0 (the
+    Request fields: prompt (ids), n, temperature, top_p, top_k (only when > 0), max_tokens, seed, stop_token_ids, logprobs=0 (the
     sampled token's log-prob), return_token_ids and return_tokens_as_token_ids (ids, never text),
     skip_special_tokens=false, and ignore_eos=true: like every engine, generation stops only at the loop's stop
     tokens, never at the EOS ids of the folder's generation_config.json (which `vllm serve` stops at by default).
@@ -641,8 +663,11 @@ class OpenAIEngine:
     seeds.
 
     Log-probs: vLLM reports raw log-probs (before temperature) unless started with
-    `--logprobs-mode processed_logprobs`; at temperature 1 the two are the same. Weights cannot be pushed
-    to a remote server: update_weights raises, so training must use an engine it owns.
+    `--logprobs-mode processed_logprobs`; at temperature 1 the two are the same. With top-k / top-p the server
+    samples from the truncated distribution and the kept sizes are -1 (not reported); whether the log-probs are
+    of the truncated distribution depends on that same server flag, which a client cannot see. None of it
+    reaches a learner: weights cannot be pushed to a remote server, update_weights raises, and train.py refuses
+    this engine (evaluation only).
     """
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 300.0,
@@ -667,13 +692,17 @@ class OpenAIEngine:
                 "top_p": params.top_p, "max_tokens": params.max_tokens, "logprobs": 0,
                 "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+        if params.top_k > 0:
+            body["top_k"] = params.top_k
         if seed is not None:
             body["seed"] = seed
         reply = self._post(body)
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != params.n:
             raise RuntimeError(f"{self.url} returned {len(choices)} choices for n={params.n}")
-        return [self._generation(c, params) for c in choices]
+        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        return [replace(g, kept_sizes=[-1] * len(g.token_ids)) if truncated else g
+                for g in (self._generation(c, params) for c in choices)]
 
     @staticmethod
     def _generation(choice: dict, params: SamplingParams) -> Generation:

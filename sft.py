@@ -97,7 +97,7 @@ def default_model_dir(cfg, sft) -> str:
     chat format and the sampling settings of the early-stopping evals)."""
     r = cfg.rollout
     key = json.dumps({"sft": dataclasses.asdict(sft), "envs": [dataclasses.asdict(e) for e in cfg.envs],
-                      "agent": dataclasses.asdict(r.agent), "sampling": [r.temperature, r.top_p, r.max_tokens],
+                      "agent": dataclasses.asdict(r.agent), "sampling": [r.temperature, r.top_p, r.max_tokens] + ([r.top_k] if r.top_k else []),
                       "version": 1}, sort_keys=True)
     return "default_model_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
@@ -146,7 +146,7 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     engine = make_engine("torch", out, pad_id=pad_id, model=model, max_batch_size=cfg.rollout.max_batch_size)
     eval_tasks = [t for e in cfg.envs for t in envs[e.name].sample_tasks("test", max(1, sft.eval_size // len(envs)),
                                                                         sft.seed + 1)]
-    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_tokens, seed=sft.seed)
 
     # --- 4. SFT until a minority of held-out problems is solved at the rollout temperature

@@ -54,9 +54,9 @@ from env import make_env, mix_seed, sample_mixture
 from eval import dump_episodes, evaluate, heldout_tasks
 from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object,
                      cleanup_distributed, compute_logprobs, compute_values, critic_step, get_world_size,
-                     init_distributed, is_main,
+                     infer_kept_sizes, init_distributed, is_main,
                      load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
-                     train_step)
+                     train_step, truncated_score)
 from model import load_model, train_flops
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
 from runs import (Logger, checkpoint_step, finish_run, load_pending, peak_flops, peak_memory_gib, resolve_resume,
@@ -76,7 +76,7 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
     are dropped and more prompts are sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.agent.n_samples
     # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
-    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_tokens)
     kept: list = []
     for r in range(1 + (cfg.algo.max_refill_rounds if cfg.algo.dynamic_sampling else 0)):
@@ -194,6 +194,12 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     rewards = batch.rewards.clone()                                                # (B,)
     if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
         rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
+    kept = None                                                                    # top-k / top-p: the policy is
+    if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):              # scored on the truncated sets
+        kept = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,  # sampled from
+                                lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,      # (vLLM's: inferred)
+                                lc.max_tokens_per_micro_batch)                     # (B, T); the reference and the
+    trunc = {} if kept is None else dict(score=truncated_score, score_args=kept)   # teacher on the full vocabulary
     ref = None
     if lc.kl_coef > 0:
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
@@ -201,7 +207,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     old = None                                                                     # exactly on-policy: the update
     if old_logprobs_needed(lc) or cfg.algo.kl_in_reward or teacher is not None:   # takes pi = pi_old, detached
         old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch)  # (B, T) pi_old
+                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch, **trunc)  # (B, T) pi_old
     metrics["perf/old_logprob_pass"] = float(old is not None)
     token_kl = None
     if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
@@ -241,7 +247,8 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         metrics["train/distill_reverse_kl"] = float(m["distill_reverse_kl"])
         informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
-    return (TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref, old_from_update=old is None),
+    return (TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref, old_from_update=old is None,
+                       kept_sizes=kept),
             values, metrics, informative)
 
 
@@ -279,7 +286,7 @@ def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, 
 def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -> dict:
     """eval.n_samples episodes per held-out task (greedy unless eval_temperature) -> the eval/... metrics (pass@k
     among them); the episodes dumped to episodes_step<step>.jsonl."""
-    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p,
+    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
     t0 = time.time()
     metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,

@@ -13,7 +13,7 @@ import torch
 
 import algos
 from algos import (OffPolicyConfig, PolicyLossConfig, aggregate, broadcast_turns, compute_gae, distillation_advantages,
-                   dynamic_sampling_mask, group_advantages, kept_mask_from_size, kl_penalty, off_policy_weights,
+                   dynamic_sampling_mask, group_advantages, kept_mask_from_size, kept_size_from_logprob, kl_penalty, off_policy_weights,
                    overlong_penalty, policy_loss, reinforce_pp_advantages, truncated_logprobs, truncation_mask,
                    turn_advantages, value_loss, whiten)
 
@@ -1006,3 +1006,36 @@ def test_truncated_logprobs_gradient():
     def f(z):
         return truncated_logprobs(z, tokens, kept_mask_from_size(z.detach(), kept_size, tokens), T)
     assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(),), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_kept_size_from_logprob_recovers_the_set(temperature, top_k, top_p):
+    # vLLM's route: the engine reports only the truncated log-prob of its sample. On the same logits the size is
+    # recovered exactly (distinct logits: every added token moves the log-sum-exp by far more than 1e-12); on
+    # logits perturbed by ~1e-6 (another kernel's rounding) the rebuilt log-prob still matches the engine's to
+    # within the perturbation, while the full-vocabulary log-prob does not.
+    g = torch.Generator().manual_seed(22)
+    logits = 3 * torch.randn(256, 50, generator=g, dtype=f64)
+    kept = truncation_mask(logits, temperature, top_k, top_p)
+    tokens = torch.multinomial(kept.to(f64), 1, generator=g).squeeze(-1)
+    engine_logp = truncated_logprobs(logits, tokens, kept, temperature)
+    n = kept_size_from_logprob(logits, tokens, engine_logp, temperature)
+    assert torch.equal(n, kept.sum(-1))
+    noise = 1e-6 * torch.randn(256, 50, generator=g, dtype=f64)
+    noisy = logits + noise
+    n = kept_size_from_logprob(noisy, tokens, engine_logp, temperature)
+    learner = truncated_logprobs(noisy, tokens, kept_mask_from_size(noisy, n, tokens), temperature)
+    # z_y - LSE moves by at most 2 max|noise| / T under the true set: the best n does at least as well
+    assert (learner - engine_logp).abs().max() <= 2 * noise.abs().max() / temperature
+    if top_p < 1 or top_k:
+        full = torch.log_softmax(noisy / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        assert (full - engine_logp).abs().max() > 1e-3
+
+
+def test_kept_size_from_logprob_hand_computed():
+    # p = [0.5, 0.3, 0.15, 0.05]: log-probs of token 0 under the top 1, 2, 3, 4 sets are log 1, log .5/.8,
+    # log .5/.95, log .5; token 2 cannot come from a set smaller than 3 whatever the log-prob says
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=f64).log()[None].expand(4, 4)
+    lp = torch.tensor([0.0, math.log(0.5 / 0.8), math.log(0.5 / 0.95), math.log(0.5)], dtype=f64)
+    assert kept_size_from_logprob(logits, torch.zeros(4, dtype=torch.long), lp, 1.0).tolist() == [1, 2, 3, 4]
+    assert kept_size_from_logprob(logits[:1], torch.tensor([2]), torch.tensor([0.0], dtype=f64), 1.0).tolist() == [3]

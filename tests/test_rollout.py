@@ -4,6 +4,8 @@ learner's Transformer.token_logprobs, seeding, ordering, stop/length handling, t
 import pytest
 import torch
 
+import algos
+from learner import truncated_score
 from model import ModelConfig, init_model, load_model, save_model
 from rollout import (PrefixCache, SamplingParams, TorchEngine, assert_synced, logprob_gap, sample_tokens, sync_probe,
                      weight_buckets)
@@ -34,10 +36,15 @@ def naive_greedy(model, prompt, max_tokens, stop=()):
     return seq[len(prompt):]
 
 
-def learner_logprobs(model, prompt, gen, temperature):
-    """What the learner will compute for the generated tokens."""
+def learner_logprobs(model, prompt, gen, temperature, truncated=True):
+    """What the learner will compute for the generated tokens: with top-k / top-p (gen.kept_sizes), the truncated
+    distribution rebuilt from the recorded sizes (learner.truncated_score), unless truncated=False."""
+    ids = torch.tensor([prompt + gen.token_ids])                                           # (1, P + N)
+    trunc = {}
+    if gen.kept_sizes and truncated:
+        trunc = dict(score=truncated_score, score_args=torch.tensor([[0] * len(prompt) + gen.kept_sizes]))
     with torch.no_grad():
-        logp = model.token_logprobs(torch.tensor([prompt + gen.token_ids]), temperature=temperature)[0]
+        logp = model.token_logprobs(ids, temperature=temperature, **trunc)[0]
     return logp[len(prompt):]
 
 
@@ -67,6 +74,7 @@ def test_sampled_logprobs_equal_learner_at_the_same_temperature():
     for i, out in enumerate(outs):
         assert all(t not in stop for t in out.token_ids[:-1])
         assert out.finish_reason == ("stop" if out.token_ids[-1] in stop else "length")
+        assert len(out.kept_sizes) == len(out.token_ids) and min(out.kept_sizes) >= 1
         torch.testing.assert_close(torch.tensor(out.logprobs), learner_logprobs(model, PROMPTS[i // 8], out, 1.0),
                                    rtol=0, atol=1e-5)
     cold = TorchEngine(model, PAD).generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=8, seed=0))
@@ -115,11 +123,69 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[None].expand(20000, 4)  # probs by hand
     g = torch.Generator().manual_seed(0)
     # mass above each token: 0, 0.5, 0.8, 0.95 -> top_p 0.8 keeps tokens {0, 1}, top_p 0.81 keeps {0, 1, 2}
-    tok, logp = sample_tokens(logits, 1.0, 0.8, g)
-    assert set(tok.tolist()) == {0, 1}
+    tok, logp, size = sample_tokens(logits, 1.0, 0.8, g)
+    assert set(tok.tolist()) == {0, 1} and set(size.tolist()) == {2}
     assert abs((tok == 0).float().mean().item() - 0.5 / 0.8) < 0.02     # renormalised over the kept set
-    torch.testing.assert_close(logp[tok == 1], torch.full_like(logp[tok == 1], 0.3).log())  # before truncation
+    torch.testing.assert_close(logp[tok == 1], torch.full_like(logp[tok == 1], 0.3 / 0.8).log())  # of that set
     assert set(sample_tokens(logits, 1.0, 0.81, g)[0].tolist()) == {0, 1, 2}
+    tok, _, size = sample_tokens(logits, 1.0, generator=g, top_k=3)   # top-k alone: 0.5, 0.3, 0.15 renormalised
+    assert set(tok.tolist()) == {0, 1, 2} and set(size.tolist()) == {3}
+    assert abs((tok == 2).float().mean().item() - 0.15 / 0.95) < 0.02
+    assert sample_tokens(logits, 1.0, generator=g)[2] is None            # no truncation: no sizes, no extra work
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.0, 5, 1.0), (1.3, 8, 0.8),
+                                                     (1.0, 1, 1.0)])
+def test_sample_tokens_draws_from_the_truncation_mask_set_and_reports_its_log_prob(temperature, top_k, top_p):
+    # The engine's set is algos.truncation_mask's, and its log-prob is the learner's rebuilt one bit for bit: on the
+    # same logits both run the same ops (kept_mask_from_size returns the very set, truncated_logprobs the same
+    # masked log-softmax), so the ratio is exactly 1 here; end to end only the logits' rounding differs (next test).
+    g = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(4096, VOCAB, generator=g)
+    logits[:512] = torch.round(logits[:512])                             # ties
+    tok, logp, size = sample_tokens(logits, temperature, top_p, g, top_k)
+    kept = algos.truncation_mask(logits, temperature, top_k, top_p)
+    assert kept.gather(-1, tok[:, None]).all() and torch.equal(size, kept.sum(-1))
+    rebuilt = algos.kept_mask_from_size(logits, size, tok)
+    assert torch.equal(rebuilt, kept)
+    assert torch.equal(truncated_score(logits / temperature, tok, size), logp)
+    assert torch.equal(algos.truncated_logprobs(logits, tok, rebuilt, temperature), logp)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.6), (1.0, 4, 1.0), (1.2, 10, 0.8)])
+def test_on_policy_ratio_is_one_at_any_top_k_and_top_p(temperature, top_k, top_p):
+    """The learner's log-probs of the engine's samples, scored on the recorded sets, equal the engine's: ratio
+    exp(learner - engine) = 1 to float rounding (1e-5: the engine's logits come from the KV-cache decode, the
+    learner's from a full forward, fp32 sums in another order; bit-equality holds on equal logits, test above).
+    Scored over the full vocabulary instead, the ratio is off by the dropped mass, far past that bound."""
+    model = tiny_model()
+    params = SamplingParams(n=8, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=12,
+                            stop_token_ids=tuple(range(1, VOCAB, 7)), seed=11)
+    outs = TorchEngine(model, PAD, max_batch_size=5).generate(PROMPTS, params)
+    worst_full = 0.0
+    for i, out in enumerate(outs):
+        engine = torch.tensor(out.logprobs)
+        log_ratio = learner_logprobs(model, PROMPTS[i // 8], out, temperature) - engine
+        assert log_ratio.abs().max() <= 1e-5
+        full = learner_logprobs(model, PROMPTS[i // 8], out, temperature, truncated=False)
+        worst_full = max(worst_full, float((full - engine).abs().max()))
+        if top_k:
+            assert max(out.kept_sizes) <= top_k + 2                    # ties with the k-th may join; the logits are
+    assert worst_full > 1e-2                                           # peaked, so ties are rare
+
+
+def test_default_sampling_records_no_sizes_and_keeps_its_draws():
+    # top_p=1, top_k=0: the plain path (no set computed, nothing recorded); the draws are those of
+    # torch.multinomial over softmax(logits / T), as before truncation existed
+    model = tiny_model()
+    outs = TorchEngine(model, PAD).generate(PROMPTS, SamplingParams(n=2, temperature=0.9, max_tokens=6, seed=4))
+    assert all(o.kept_sizes == [] for o in outs)
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(64, VOCAB, generator=g)
+    tok, logp, size = sample_tokens(logits, 0.9, 1.0, torch.Generator().manual_seed(3))
+    probs = torch.log_softmax(logits / 0.9, -1).exp()
+    assert size is None and torch.equal(tok, torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(3))
+                                         .squeeze(-1))
 
 
 def test_update_weights(tmp_path):
