@@ -438,6 +438,31 @@ def test_no_drift_qwen25_and_exact_mask(tok):
         assert tr.token_ids[-1] == im_end and tr.loss_mask[-1] == 1
 
 
+class TruncatingEngine(ScriptedEngine):
+    """A ScriptedEngine that says each token came from a top-k / top-p set of a known size (a function of the id)."""
+
+    def generate(self, prompts, params):
+        return [replace(g, kept_sizes=[t % 7 + 1 for t in g.token_ids]) for g in super().generate(prompts, params)]
+
+
+def test_kept_sizes_follow_the_sampled_tokens_into_the_batch(tok):
+    # three turns, cut by max_tokens=12 in the second run (a forced <|im_end|>, mask 0): each sampled token keeps
+    # the size its engine reported, everything else (prompt, observations, the forced token, padding) has 0; an
+    # engine that reports none (no truncation) gives all 0
+    tasks = [calc_task(0, 2, 3), calc_task(1, 40, 17)]
+    script = {t.prompt: three_turn_script(int(t.prompt.split()[1]), int(t.prompt.split()[3][:-1])) for t in tasks}
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=2048)
+    for params in (SamplingParams(max_tokens=200, top_p=0.9), SamplingParams(max_tokens=12, top_k=5)):
+        trajs = run_episodes(TruncatingEngine(tok, script), {"calc": CalcEnv()}, tasks, tok, cfg, params, seed=0)
+        for tr in trajs:
+            assert tr.kept_sizes == [t % 7 + 1 if m else 0 for t, m in zip(tr.token_ids, tr.loss_mask)]
+        batch = to_batch(trajs, pad_id=0)
+        for b, tr in enumerate(trajs):
+            assert batch.kept_sizes[b].tolist() == tr.kept_sizes + [0] * (batch.input_ids.shape[1] - len(tr.kept_sizes))
+    plain = run_episodes(ScriptedEngine(tok, script), {"calc": CalcEnv()}, tasks, tok, cfg, SamplingParams(), seed=0)
+    assert not to_batch(plain, pad_id=0).kept_sizes.any()
+
+
 def test_truncated_generation_gets_forced_im_end(tok):
     task = calc_task(0, 2, 3)
     engine = ScriptedEngine(tok, {task.prompt: [call_text(2, 3, content="I will now call the add tool"), "ANSWER: 5"]})

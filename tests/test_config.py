@@ -69,8 +69,20 @@ def test_choices_are_checked_at_load():
         load_config(None, ["rollout.agent.n_samples=1"])
     with pytest.raises(ValueError, match="did you mean 'vllm'"):
         load_config(None, ["rollout.engine=vlm"])
-    with pytest.raises(ValueError, match="top_p=1"):                 # vLLM's log-probs would be truncated ones
-        load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"])
+    # top-k / top-p: ranges checked with the allowed values named; vLLM samples them (the learner infers its sets
+    # from its log-probs on the weights that sampled, so not with async rollouts)
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.top_k=20"])
+    assert (cfg.rollout.top_p, cfg.rollout.top_k) == (0.9, 20)
+    assert (Config().rollout.top_p, Config().rollout.top_k) == (1.0, 0)
+    for bad, message in ((["rollout.top_p=0"], r"rollout.top_p=0.0 must be in \(0, 1\]"),
+                         (["rollout.top_p=1.5"], r"rollout.top_p=1.5 must be in \(0, 1\]"),
+                         (["rollout.top_k=-1"], r"rollout.top_k=-1 must be >= 0 \(0: off\)"),
+                         (["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.async_rollouts=true",
+                           "learner.off_policy.kind=tis"], "needs synchronous rollouts")):
+        with pytest.raises(ValueError, match=message):
+            load_config(None, bad)
+    with pytest.raises(TypeError, match="rollout.top_k"):
+        load_config(None, ["rollout.top_k=0.5"])
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.sync_max_logprob_diff=0.2"])
     assert cfg.rollout.sync_max_logprob_diff == 0.2 and Config().rollout.sync_max_logprob_diff is None
     with pytest.raises(ValueError, match=r"eval.pass_k=\[1, 5\] needs every k between 1 and eval.n_samples=4"):

@@ -86,6 +86,7 @@ class FakeServer:
         assert body["skip_special_tokens"] is False and all(isinstance(t, int) for t in body["prompt"])
         assert body["ignore_eos"] is True                  # a TorchEngine never stops at EOS either
         params = SamplingParams(n=body["n"], temperature=body["temperature"], top_p=body["top_p"],
+                                top_k=body.get("top_k", 0),
                                 max_tokens=body["max_tokens"], stop_token_ids=tuple(body["stop_token_ids"]),
                                 seed=body.get("seed"))
         choices = []
@@ -133,6 +134,16 @@ def test_same_tokens_and_logprobs_as_the_engine_behind_it(engine, mode):
         for i, (p, seed) in enumerate(zip(PROMPTS, row_seeds(11, len(PROMPTS)))):
             ref = engine.generate([p], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=seed))
             assert [g.token_ids for g in remote[3 * i:3 * i + 3]] == [g.token_ids for g in ref]
+        assert all(g.kept_sizes == [] for g in remote)                  # nothing truncated, nothing recorded
+
+        # top-k / top-p reach the server; the sets are not reported (-1 per token): this engine only evaluates
+        truncated = SamplingParams(n=2, temperature=1.0, top_p=0.8, top_k=5, max_tokens=8, seed=11)
+        remote = client.generate(PROMPTS, truncated)
+        for i, (p, seed) in enumerate(zip(PROMPTS, row_seeds(11, len(PROMPTS)))):
+            ref = engine.generate([p], SamplingParams(n=2, temperature=1.0, top_p=0.8, top_k=5, max_tokens=8,
+                                                      seed=seed))
+            assert [g.token_ids for g in remote[2 * i:2 * i + 2]] == [g.token_ids for g in ref]
+        assert all(g.kept_sizes == [-1] * len(g.token_ids) for g in remote)
     finally:
         server.close()
 
