@@ -202,3 +202,85 @@ def test_token_budget_micro_batches_pack_by_length_and_keep_the_gradient():
         torch.testing.assert_close(g, grads[0], rtol=1e-4, atol=1e-7)
     assert pads[3] < pads[2] < pads[1] < pads[0]   # packing by length wastes less than 3 fixed rows, than 8
     assert pads[3] == 0.0                         # budget 9: one row each (lengths 2..11), no padding at all
+
+
+def sampled_batch(model, params, prompts, pad=0):
+    """Rollouts of a TorchEngine as a TrainBatch: prompt + generation per row, right-padded, mask on the generated
+    tokens, the engine's log-probs and kept-set sizes, random advantages."""
+    from agent import pad_right
+    from rollout import TorchEngine
+    gens = TorchEngine(model, pad).generate(prompts, params)
+    rows = [prompts[i // params.n] for i in range(len(gens))]
+    ids = pad_right([p + g.token_ids for p, g in zip(rows, gens)], pad, torch.long)                  # (B, T)
+    mask = pad_right([[0] * len(p) + [1] * len(g.token_ids) for p, g in zip(rows, gens)], 0, torch.float)
+    engine = pad_right([[0.0] * len(p) + g.logprobs for p, g in zip(rows, gens)], 0.0, torch.float)
+    kept = pad_right([[0] * len(p) + (g.kept_sizes or [0] * len(g.token_ids)) for p, g in zip(rows, gens)], 0,
+                     torch.long)
+    adv = torch.randn(len(gens), 1, generator=torch.Generator().manual_seed(0)) * mask               # (B, T)
+    return TrainBatch(ids, mask, adv, engine_logprobs=engine, kept_sizes=kept)
+
+
+def peaked_model(seed=0):
+    model = init_model(CFG, seed)
+    with torch.no_grad():      # larger weights than N(0, 0.02): peaked logits, so top-p keeps a real subset
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature", [(0, 0.9, 1.0), (0, 0.6, 0.8), (5, 1.0, 1.0), (8, 0.8, 1.2)])
+def test_top_k_top_p_batches_are_scored_on_the_sampled_sets(top_k, top_p, temperature):
+    """The learner trains what the engine sampled: pi_old, scored on the recorded sets, equals the engine's
+    log-probs to float rounding (mismatch KL < 1e-9: the learner's full forward and the engine's KV-cache decode
+    sum in other orders, ~1e-6 per log-prob), and the update's ratio pi / pi_old is exactly 1 (same process, same
+    ops: bit for bit, as in test_on_policy_update_skips_the_old_logprob_pass_with_the_same_gradient). Scored over the full vocabulary, the same batch is off
+    by the dropped mass."""
+    from learner import compute_logprobs, truncated_score
+    from rollout import SamplingParams
+    model = peaked_model()
+    params = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=10, seed=2)
+    batch = sampled_batch(model, params, [[5, 9, 3, 7], [4, 1], [13, 6, 6, 1, 2, 8]])
+    assert batch.kept_sizes[batch.loss_mask.bool()].min() >= 1
+    cfg = LearnerConfig(micro_batch_size=5, grad_clip=0.0, temperature=temperature)
+    old = compute_logprobs(model, batch.input_ids, 5, temperature, 256, batch.loss_mask,
+                           score=truncated_score, score_args=batch.kept_sizes)
+    grads = []
+    for b in (replace(batch, old_logprobs=old), replace(batch, old_from_update=True)):
+        state = make_learner(copy.deepcopy(model), cfg, seed=0)
+        state, m = train_step(state, b, cfg)
+        grads.append(first_step_grad(state))
+    # the ratio is 1 bit for bit: the gradient with the scored pi_old equals the one with pi_old = pi.detach()
+    # exactly (the logged ratio_min/max are micro-batch-weighted sums of 1.0, so they carry summation rounding)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().max() > 0
+    assert m["train/ratio_min"] == pytest.approx(1.0, abs=1e-6) and m["train/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    state = make_learner(copy.deepcopy(model), cfg, seed=0)
+    _, m = train_step(state, replace(batch, old_logprobs=old), cfg)
+    assert abs(m["train/mismatch_kl_k1"]) < 1e-6 and m["train/mismatch_kl_k3"] < 1e-9
+    full = compute_logprobs(model, batch.input_ids, 5, temperature, 256, batch.loss_mask)
+    _, m = train_step(make_learner(copy.deepcopy(model), cfg, seed=0),
+                      replace(batch, old_logprobs=full, kept_sizes=None), cfg)
+    assert m["train/mismatch_kl_k1"] > 1e-3                          # mu puts more mass on every sampled token
+
+
+def test_infer_kept_sizes_from_the_engines_log_probs():
+    """vLLM's route, on a TorchEngine's samples: forget the recorded sizes (-1) and infer them from the sampled
+    tokens' truncated log-probs on the learner's logits. The inferred sets reproduce the engine's log-probs to
+    float rounding (1e-5, as the recorded ones do), and they are the recorded sets except where one more tail
+    token moves the log-sum-exp by less than that rounding."""
+    from learner import compute_logprobs, infer_kept_sizes, truncated_score
+    from rollout import SamplingParams
+    model = peaked_model()
+    params = SamplingParams(n=8, temperature=1.0, top_p=0.9, top_k=20, max_tokens=12, seed=5)
+    batch = sampled_batch(model, params, [[5, 9, 3, 7], [4, 1], [13, 6, 6, 1, 2, 8]])
+    on = batch.loss_mask.bool()
+    hidden = torch.where(on, -1, batch.kept_sizes)
+    inferred = infer_kept_sizes(model, batch.input_ids, hidden, batch.engine_logprobs, micro_batch_size=5)
+    assert torch.equal(inferred[~on], batch.kept_sizes[~on]) and inferred[on].min() >= 1
+    assert (inferred[on] == batch.kept_sizes[on]).float().mean() >= 0.98       # all 288 here, on this CPU
+    logp = compute_logprobs(model, batch.input_ids, 5, 1.0, 256, batch.loss_mask, score=truncated_score,
+                            score_args=inferred)
+    assert (logp - batch.engine_logprobs)[on].abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="infer_kept_sizes"):
+        train_step(make_learner(copy.deepcopy(model), LearnerConfig(), seed=0),
+                   replace(batch, kept_sizes=hidden, old_from_update=True), LearnerConfig())
