@@ -4,10 +4,10 @@ Every engine speaks token ids in, token ids + log-probs out: `generate(prompts, 
 token-id prompts and returns `len(prompts) * n` `Generation`s (prompt-major), each with the sampled ids and the
 log-prob of every sampled id under the distribution it was drawn from: softmax(logits / T) (T = 1 when greedy), or
 with top-k / top-p that softmax renormalised over the kept set, whose size is recorded per token (kept_sizes) so
-the learner can score the same truncated distribution (algos.truncation_mask / kept_mask_from_size). Engines that train also
-take `update_weights(state_dict)` with Hugging Face names, and `sleep()` / `wake_up()` around the update (they
-free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, chat templates and tools live in
-chat.py and agent.py, so an engine never sees a string.
+the learner can score the same truncated distribution (algos.truncation_mask / kept_mask_from_size). Engines that
+train also take `update_weights(state_dict)` with Hugging Face names, and `sleep()` / `wake_up()` around the update
+(they free the engine's GPU memory while the learner runs; no-ops elsewhere). Text, chat templates and tools live
+in chat.py and agent.py, so an engine never sees a string.
 
   TorchEngine   a pure-PyTorch batched sampler with a KV cache (model.py's Transformer): no dependencies, CPU-fast
                 for tiny models, the reference the others are tested against. Optionally keeps a prefix cache across
@@ -367,7 +367,8 @@ class TorchEngine:
         stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((B, N), self.pad_id, dtype=torch.long, device=device)  # (B, N)
         logprobs = torch.zeros(B, N, device=device)                                 # (B, N)
-        kept_sizes = torch.zeros(B, N, dtype=torch.long, device=device)             # (B, N) 0: not truncated
+        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        kept_sizes = torch.zeros(B, N, dtype=torch.long, device=device) if truncated else None  # (B, N) set sizes
         lengths = torch.full((B,), N, dtype=torch.long, device=device)              # (B,)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)                   # (B,)
         rows = torch.arange(B, device=device)  # (b,) the original row of each row still in the batch
@@ -405,7 +406,6 @@ class TorchEngine:
             kept.update(self._row_kv(cache, real, rows, torch.arange(len(rows), device=device), C + S))
         lengths, stopped = lengths.tolist(), stopped.tolist()
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
         kept_sizes = kept_sizes.tolist() if truncated else [[] for _ in range(B)]
         for row, (k, v, fed) in kept.items():
             # the positions computed: the prompt and the sampled tokens fed back (at most the row's own tokens)
@@ -655,8 +655,8 @@ class OpenAIEngine:
     to `max_concurrency` at a time, with `n` samples each; a request that fails is retried `retries` times
     with a growing pause, then raises RuntimeError with the server's message. Standard library only.
 
-    Request fields: prompt (ids), n, temperature, top_p, top_k (only when > 0), max_tokens, seed, stop_token_ids, logprobs=0 (the
-    sampled token's log-prob), return_token_ids and return_tokens_as_token_ids (ids, never text),
+    Request fields: prompt (ids), n, temperature, top_p, top_k (only when > 0), max_tokens, seed, stop_token_ids,
+    logprobs=0 (the sampled token's log-prob), return_token_ids and return_tokens_as_token_ids (ids, never text),
     skip_special_tokens=false, and ignore_eos=true: like every engine, generation stops only at the loop's stop
     tokens, never at the EOS ids of the folder's generation_config.json (which `vllm serve` stops at by default).
     Each prompt gets its own seed (row_seeds of params.seed), so a call is reproducible when the server honours

@@ -97,7 +97,8 @@ def default_model_dir(cfg, sft) -> str:
     chat format and the sampling settings of the early-stopping evals)."""
     r = cfg.rollout
     key = json.dumps({"sft": dataclasses.asdict(sft), "envs": [dataclasses.asdict(e) for e in cfg.envs],
-                      "agent": dataclasses.asdict(r.agent), "sampling": [r.temperature, r.top_p, r.max_tokens] + ([r.top_k] if r.top_k else []),
+                      "agent": dataclasses.asdict(r.agent),
+                      "sampling": [r.temperature, r.top_p, r.max_tokens] + ([r.top_k] if r.top_k else []),
                       "version": 1}, sort_keys=True)
     return "default_model_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 

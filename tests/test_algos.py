@@ -13,9 +13,9 @@ import torch
 
 import algos
 from algos import (OffPolicyConfig, PolicyLossConfig, aggregate, broadcast_turns, compute_gae, distillation_advantages,
-                   dynamic_sampling_mask, group_advantages, kept_mask_from_size, kept_size_from_logprob, kl_penalty, off_policy_weights,
-                   overlong_penalty, policy_loss, reinforce_pp_advantages, truncated_logprobs, truncation_mask,
-                   turn_advantages, value_loss, whiten)
+                   dynamic_sampling_mask, group_advantages, kept_mask_from_size, kept_size_from_logprob, kl_penalty,
+                   off_policy_weights, overlong_penalty, policy_loss, reinforce_pp_advantages, truncated_logprobs,
+                   truncation_mask, turn_advantages, value_loss, whiten)
 
 NAN, INF = float("nan"), float("inf")
 f64 = torch.float64

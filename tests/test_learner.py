@@ -234,8 +234,8 @@ def test_top_k_top_p_batches_are_scored_on_the_sampled_sets(top_k, top_p, temper
     """The learner trains what the engine sampled: pi_old, scored on the recorded sets, equals the engine's
     log-probs to float rounding (mismatch KL < 1e-9: the learner's full forward and the engine's KV-cache decode
     sum in other orders, ~1e-6 per log-prob), and the update's ratio pi / pi_old is exactly 1 (same process, same
-    ops: bit for bit, as in test_on_policy_update_skips_the_old_logprob_pass_with_the_same_gradient). Scored over the full vocabulary, the same batch is off
-    by the dropped mass."""
+    ops: bit for bit, as in test_on_policy_update_skips_the_old_logprob_pass_with_the_same_gradient). Scored over
+    the full vocabulary, the same batch is off by the dropped mass."""
     from learner import compute_logprobs, truncated_score
     from rollout import SamplingParams
     model = peaked_model()
