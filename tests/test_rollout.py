@@ -362,13 +362,16 @@ def test_prefix_cache_is_dropped_when_the_weights_change():
     assert engine.prefix_cache.tokens == 0
 
 
-@pytest.mark.parametrize("push_at,prefix_cache_tokens,stops", [(4, 0, False), (4, 512, False), (10, 0, False),
-                                                             (5, 0, True), (5, 512, True)])
-def test_partial_rollout_push_lands_at_the_next_token_boundary(push_at, prefix_cache_tokens, stops):
+@pytest.mark.parametrize("push_at,prefix_cache_tokens,stops,top_k,top_p", [
+    (4, 0, False, 0, 1.0), (4, 512, False, 0, 1.0), (10, 0, False, 0, 1.0), (5, 0, True, 0, 1.0),
+    (5, 512, True, 0, 1.0), (4, 0, False, 0, 0.9), (5, 512, True, 6, 0.8)])
+def test_partial_rollout_push_lands_at_the_next_token_boundary(push_at, prefix_cache_tokens, stops, top_k, top_p):
     """A push during a generation (partial rollouts) does not wait for it: it lands at the next token boundary, the
     tokens from there on carry its version, and the keys and values of the tokens before are recomputed, so every
     token's log-prob is the learner's re-scoring of the whole sequence under the weights of the version it records
-    (not a mix of old keys and new weights). A push after the last boundary lands when the call ends."""
+    (not a mix of old keys and new weights). A push after the last boundary lands when the call ends. With top-k /
+    top-p, each token's kept-set size is that of the version it records too: the learner's truncated score of the
+    recorded sizes under that version's weights gives back the engine's log-prob."""
     import copy
     old, new = tiny_model(0), tiny_model(1)
     engine = TorchEngine(copy.deepcopy(old), PAD, prefix_cache_tokens=prefix_cache_tokens)
@@ -380,7 +383,7 @@ def test_partial_rollout_push_lands_at_the_next_token_boundary(push_at, prefix_c
             engine.update_weights(new.state_dict(), version=7)
     handle = engine.model.lm_head.register_forward_hook(push)
     # stops: 8 samples per prompt and 12 stop ids, so rows finish (and leave the batch) before and after the push
-    params = SamplingParams(n=8 if stops else 1, temperature=1.0, max_tokens=10, seed=3,
+    params = SamplingParams(n=8 if stops else 1, temperature=1.0, max_tokens=10, seed=3, top_k=top_k, top_p=top_p,
                             stop_token_ids=tuple(range(20, 32)) if stops else ())
     gens = engine.generate(PROMPTS, params)
     handle.remove()
@@ -391,9 +394,8 @@ def test_partial_rollout_push_lands_at_the_next_token_boundary(push_at, prefix_c
     for i, g in enumerate(gens):
         prompt = PROMPTS[i // params.n]
         assert g.versions == ([0] * push_at + [7] * (10 - push_at))[:len(g.token_ids)]
-        ids = torch.tensor([prompt + g.token_ids])
-        with torch.no_grad():
-            by_old, by_new = (m.token_logprobs(ids)[0, len(prompt):] for m in (old, new))   # (10,) each
+        assert len(g.kept_sizes) == (len(g.token_ids) if top_k or top_p < 1 else 0)
+        by_old, by_new = (learner_logprobs(m, prompt, g, 1.0) for m in (old, new))         # (10,) each
         expected = torch.where(torch.tensor(g.versions) == 7, by_new, by_old)
         # 1e-4: float32 rounding between the engine's padded batch and a one-row forward (~1e-6 measured), well
         # under the 1e-3 of the weight-sync gate; the two models differ by ~1 per token
