@@ -60,6 +60,11 @@ class SamplingParams:
     stop_token_ids: tuple = ()      # generation stops after emitting one of these (it is kept in the output)
     seed: int | None = None         # seed of the engine's torch.Generator for this call (None: nondeterministic)
 
+    @property
+    def truncates(self) -> bool:
+        """Whether tokens are drawn from a top-k / top-p set (greedy ignores both), so each records its set's size."""
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
+
 
 @dataclass
 class Generation:
@@ -367,7 +372,7 @@ class TorchEngine:
         stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((B, N), self.pad_id, dtype=torch.long, device=device)  # (B, N)
         logprobs = torch.zeros(B, N, device=device)                                 # (B, N)
-        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        truncated = params.truncates
         kept_sizes = torch.zeros(B, N, dtype=torch.long, device=device) if truncated else None  # (B, N) set sizes
         lengths = torch.full((B,), N, dtype=torch.long, device=device)              # (B,)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)                   # (B,)
@@ -572,7 +577,7 @@ class VLLMEngine:
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
             skip_special_tokens=False, seed=seed) for seed in row_seeds(params.seed, len(rows))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in rows], per_row, use_tqdm=False)
-        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        truncated = params.truncates
         gens = []
         for out in outputs:                                        # in the order of the rows
             c = out.outputs[0]
@@ -700,7 +705,7 @@ class OpenAIEngine:
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != params.n:
             raise RuntimeError(f"{self.url} returned {len(choices)} choices for n={params.n}")
-        truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        truncated = params.truncates
         return [replace(g, kept_sizes=[-1] * len(g.token_ids)) if truncated else g
                 for g in (self._generation(c, params) for c in choices)]
 

@@ -194,12 +194,14 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     rewards = batch.rewards.clone()                                                # (B,)
     if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
         rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
-    kept = None                                                                    # top-k / top-p: the policy is
-    if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):              # scored on the truncated sets
-        kept = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,  # sampled from
-                                lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,      # (vLLM's: inferred)
-                                lc.max_tokens_per_micro_batch)                     # (B, T); the reference and the
-    trunc = {} if kept is None else dict(score=truncated_score, score_args=kept)   # teacher on the full vocabulary
+    # top-k / top-p: the policy is scored on the truncated sets it sampled from (vLLM's sizes are inferred here);
+    # the reference and the teacher stay on the full vocabulary (learner.py, "scoring")
+    kept = None                                                                    # (B, T) set sizes
+    if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):
+        kept = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,
+                                lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
+                                lc.max_tokens_per_micro_batch)
+    trunc = {} if kept is None else dict(score=truncated_score, score_args=kept)
     ref = None
     if lc.kl_coef > 0:
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
