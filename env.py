@@ -19,16 +19,22 @@ Contents, top to bottom:
   3. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
      free text).
   4. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
-     `@register_env`, `make_env` (and `env_class`: the class alone).
+     `@register_env`, `make_env` (and `env_class`: the class alone), and what the worlds share: `sample_distinct`
+     (a split's distinct tasks), `replay` and `replay_commands` (an expert's actions played into a demonstration),
+     `read_jsonl` (the JSON-lines files they read).
   5. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 
 POSIX only (the sandbox uses process groups and resource limits).
 """
 import ast
+import gzip
 import hashlib
 import importlib
+import io
+import json
 import math
+import os
 import random
 import re
 import threading
@@ -36,8 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-# The two sandboxes behind python_eval and python_exec; the worlds that run programs (env_code.py, env_humaneval.py)
-# use execute_python, ExecLimits and PLAIN_COPIER_SRC through env.py, the one file they import.
+# The two sandboxes behind python_eval and python_exec; the worlds that run programs (env_code.py, and env_humaneval.py
+# through env_code's grading) use execute_python, ExecLimits and PLAIN_COPIER_SRC through env.py.
 from sandbox import PLAIN_COPIER_SRC, SANDBOX, ExecLimits, execute_python, parse_python  # noqa: F401 (for the worlds)
 
 
@@ -598,12 +604,72 @@ def sample_mixture(envs: dict[str, "Env"], weights: list[tuple[str, float]], spl
     return tasks
 
 
+def replay(env: Env, task: Task, actions: list[Action], check: Callable[[int, EnvState, bool], None] | None = None
+           ) -> tuple[EnvState, list[dict], float, bool]:
+    """An expert's `actions` played through env.step from env.reset(task, seed=0), as the agent loop plays a model's
+    -> (the last state, the conversation, the last step's reward, done): the demonstration of a world whose expert
+    is a script (tau_lite; alfworld_lite and textworld through replay_commands).
+
+    The conversation is what the agent's transcript holds: [system, user], then each action as an assistant
+    message and its observations, except those of the step that ends the episode (the agent stops there).
+    `check(i, state, done)` runs after action i and raises if the expert went wrong there: no wrong demonstration
+    is ever trained on. RuntimeError when the episode ends with actions left."""
+    state, messages = env.reset(task, seed=0)
+    reward, done = 0.0, False
+    for i, action in enumerate(actions):
+        if done:
+            raise RuntimeError(f"the episode of {task.id} ended before the expert script did")
+        state, obs, reward, done, _ = env.step(state, action)
+        messages.append(assistant_message(action.text, list(action.tool_calls)))
+        messages += [] if done else obs
+        if check is not None:
+            check(i, state, done)
+    return state, messages, reward, done
+
+
+def replay_commands(env: Env, task: Task, tool_name: str, commands: list[str], what: str
+                    ) -> tuple[EnvState, list[dict]]:
+    """replay for a world played through one command tool (alfworld_lite's house_act, textworld's tw_act) whose
+    state counts invalid_actions -> (the last state, the conversation). RuntimeError naming the command (`what`
+    and its index): one was not admissible, or the episode did not end exactly at the last one."""
+    def check(i: int, state: EnvState, done: bool) -> None:
+        if done != (i == len(commands) - 1) or state.invalid_actions:
+            raise RuntimeError(f"{what} {i} {commands[i]!r} of {task.id}: done={done}, "
+                               f"invalid={state.invalid_actions}")
+    actions = [Action(text="", tool_calls=(ToolCall(tool_name, {"command": c}),)) for c in commands]
+    state, messages, _, _ = replay(env, task, actions, check)
+    return state, messages
+
+
+def read_jsonl(path: str | os.PathLike, data: bytes | None = None) -> list[tuple[int, dict]]:
+    """(line number, record) of each non-blank line of a JSON-lines file, gzipped or not (told by the gzip magic
+    number, not the name): every file a world reads. `data`: the file's bytes when the caller already holds them
+    (a package's resource); `path` then only names it in errors. ValueError naming the file and line: a line that
+    is not JSON, or not a JSON object."""
+    if data is None:
+        with open(path, "rb") as f:
+            data = f.read()
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    records = []
+    # newline=None: lines end as in a file opened as text (\n, \r\n, \r), never inside a JSON string (U+2028)
+    for number, line in enumerate(io.StringIO(data.decode("utf-8"), newline=None), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {number} is not JSON: {e.msg}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {number} is a JSON {type(record).__name__}, not an object")
+        records.append((number, record))
+    return records
+
+
 def write_tasks(tasks: list[Task], path: str) -> None:
     """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset on disk."""
-    import json
-    import os
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:   # read_jsonl reads UTF-8
         for t in tasks:
             f.write(json.dumps({"env": t.env, "id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta},
                                ensure_ascii=False, sort_keys=True) + "\n")
@@ -611,13 +677,11 @@ def write_tasks(tasks: list[Task], path: str) -> None:
 
 def read_tasks(path: str) -> list[Task]:
     """The tasks write_tasks wrote."""
-    import json
-    with open(path) as f:
-        return [Task(**json.loads(line)) for line in f if line.strip()]
+    return [Task(**record) for _, record in read_jsonl(path)]
 
 
 # Envs that live in their own files beside this one, imported on first use (like gym's entry points):
-# env.py needs none of them, and each of them imports only env.py.
+# env.py needs none of them, and each of them imports env.py (env_humaneval also env_code, whose grading it shares).
 ENTRY_POINTS: dict[str, str] = {"text_math": "env_math", "dataset": "env_math", "tool_use": "env_search",
                                 "code": "env_code", "webshop_lite": "env_webshop",
                                 "alfworld_lite": "env_alfworld", "tau_lite": "env_tau", "humaneval": "env_humaneval",
@@ -796,7 +860,6 @@ if __name__ == "__main__":
     # Write an env's tasks as JSON lines, deterministically from the seed:
     #   python env.py tool_use test 500 --seed 0 --out data/tool_use_test.jsonl [--kwargs '{"hops": 2}']
     import argparse
-    import json
     p = argparse.ArgumentParser(description="write an env's tasks as JSON lines")
     p.add_argument("env")
     p.add_argument("split", choices=["train", "test"])

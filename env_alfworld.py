@@ -49,7 +49,7 @@ import json
 import random
 from dataclasses import dataclass, replace
 
-from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct, split_of,
+from env import (Action, Env, EnvState, Task, ToolCall, register_env, replay_commands, sample_distinct, split_of,
                  tool, tool_message)
 
 # ----------------------------------------------------------------------------------------------------
@@ -462,23 +462,16 @@ class AlfworldLiteEnv(Env):
         return 1.0 if answer == SUCCESS else 0.0
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """The expert conversation, played through step (it raises unless the last command earns 1.0).
-        use_tools=True: the expert (search in listed order). False: the weaker path (random order, tidy);
-        `rng` draws that order."""
+        """The expert conversation, played through step by env.replay_commands (it raises unless the last command
+        earns 1.0). use_tools=True: the expert (search in listed order). False: the weaker path (random order,
+        tidy); `rng` draws that order."""
         scene = Scene.from_meta(task.meta)
         if use_tools:
             order = search_order(scene)
         else:   # every storage receptacle, the goal receptacle included, in a random order
             order = rng.sample([p for p in scene.places if p not in DEVICES], len(scene.places) - len(DEVICES))
         commands = expert_plan(scene, order, tidy=not use_tools)
-        state, messages = self.reset(task, seed=0)
-        for i, command in enumerate(commands):
-            call = ToolCall("house_act", {"command": command})
-            state, obs, reward, done, _ = self.step(state, Action(text="", tool_calls=(call,)))
-            messages += [assistant_message("", [call])] + obs
-            if done != (i == len(commands) - 1) or state.invalid_actions:
-                raise RuntimeError(f"expert command {i} {command!r} of {task.id}: done={done}, "
-                                   f"invalid={state.invalid_actions}")
+        state, messages = replay_commands(self, task, "house_act", commands, "expert command")
         if state.reward != 1.0:
             raise RuntimeError(f"the expert did not solve {task.id}")
         return messages

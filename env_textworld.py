@@ -50,7 +50,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct, tool,
+from env import (Action, Env, EnvState, Task, ToolCall, register_env, replay_commands, sample_distinct, tool,
                  tool_message)
 
 PIP_INSTALL = "pip install textworld==1.7.0"
@@ -383,17 +383,9 @@ class TextWorldEnv(Env):
         return answer == WON
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """TextWorld's walkthrough, played through step(); raises unless it wins. `rng` and `use_tools` are unused:
-        the walkthrough is the one expert path."""
-        state, messages = self.reset(task, seed=0)
-        commands = task.meta["walkthrough"]
-        for i, command in enumerate(commands):
-            call = ToolCall("tw_act", {"command": command})
-            state, obs, _, done, _ = self.step(state, Action(text="", tool_calls=(call,)))
-            messages += [assistant_message("", [call])] + obs
-            if done != (i == len(commands) - 1) or state.invalid_actions:
-                raise RuntimeError(f"walkthrough command {i} {command!r} of {task.id}: done={done}, "
-                                   f"invalid={state.invalid_actions}")
+        """TextWorld's walkthrough, played through step() (env.replay_commands); raises unless it wins. `rng` and
+        `use_tools` are unused: the walkthrough is the one expert path."""
+        state, messages = replay_commands(self, task, "tw_act", task.meta["walkthrough"], "walkthrough command")
         if state.answer != WON:
             raise RuntimeError(f"the walkthrough did not win {task.id}")
         return messages

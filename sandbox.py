@@ -416,6 +416,8 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
     is an expression (and not None); an error is appended as "Error: Type: message". The audit hook
     stays installed for good: the caller must only write the reply and os._exit() afterwards.
     """
+    # One function on purpose, the only one here over 80 lines: this is security code, and every step of the child's
+    # setup (check, namespace, audit hook, run) must be read in order, in one place, to audit it.
     import builtins
     import os
     import sys
