@@ -86,6 +86,17 @@ class Trajectory:
                                        # the engine drew it from (Generation.kept_sizes; -1: not reported), 0 on
                                        # tokens drawn from the whole vocabulary and elsewhere (empty: all 0)
 
+    def extend(self, ids: list[int], sampled: bool = False, logprobs=None, versions=None, kept_sizes=None):
+        """Append a span of tokens: the one place a trajectory grows, so its per-token lists stay aligned. Sampled
+        (mask 1) with the engine's log-probs, and its versions and kept-set sizes when it reports them; or not
+        sampled (mask 0: an observation, a forced <|im_end|>), log-prob 0, version -1, size 0."""
+        n = len(ids)
+        self.token_ids += ids
+        self.loss_mask += [int(sampled)] * n
+        self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * n
+        self.versions += list(versions) if versions else [-1] * n
+        self.kept_sizes += list(kept_sizes) if kept_sizes else [0] * n
+
 
 class StepResult(NamedTuple):
     """What env.step returned for one episode, or the error it raised (then the other fields are empty)."""
@@ -144,9 +155,9 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
             if text not in prompt_cache:      # the n samples of a task usually share their prompt
                 prompt_cache[text] = encode(tokenizer, text)
             ids = list(prompt_cache[text])
-            traj = Trajectory(task=task, group=g, sample=s, token_ids=ids, loss_mask=[0] * len(ids),
-                              logprobs=[0.0] * len(ids), prompt_len=len(ids), messages=list(msgs),
-                              versions=[-1] * len(ids), kept_sizes=[0] * len(ids))
+            traj = Trajectory(task=task, group=g, sample=s, token_ids=[], loss_mask=[], logprobs=[],
+                              prompt_len=len(ids), messages=list(msgs))
+            traj.extend(ids)
             if len(ids) + _MIN_ROOM > cfg.max_total_tokens:
                 traj.finish_reason = "max_tokens"
             trajs.append(traj)
@@ -194,83 +205,81 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
         gens = engine.generate([list(trajs[i].token_ids) for i in active], call)   # copies: we extend ours in place
         if len(gens) != len(active):
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
-
         actions = []
         for i, budget, gen in zip(active, budgets, gens):
-            traj = trajs[i]
-            ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
-            for k, t in enumerate(ids):            # keep up to the first stop token (an engine may run past it)
-                if t in stop_ids:
-                    ids, lps = ids[:k + 1], lps[:k + 1]
-                    break
-            kept = list(gen.kept_sizes[:len(ids)]) or [0] * len(ids)   # empty: not truncated
-            stopped = bool(ids) and ids[-1] in stop_ids
-            content_ids = ids[:-1] if stopped else ids
-            traj.turn_starts.append(len(traj.token_ids))
-            traj.turn_states.append(state_keys[i])
-            traj.token_ids += ids
-            traj.loss_mask += [1] * len(ids)
-            traj.logprobs += [float(x) for x in lps]
-            traj.versions += list(gen.versions[:len(ids)]) if getattr(gen, "versions", None) else [-1] * len(ids)
-            traj.kept_sizes += kept
-            if not ids or ids[-1] != im_end:
-                # cut by max_tokens (or stopped by another stop token): close the turn so the conversation
-                # stays well formed. Forced, not sampled: mask 0, so the policy is not trained on it.
-                traj.token_ids.append(im_end)
-                traj.loss_mask.append(0)
-                traj.logprobs.append(0.0)
-                traj.versions.append(-1)
-                traj.kept_sizes.append(0)
-
-            text = tokenizer.decode(content_ids, skip_special_tokens=False)
-            action = make_action(text)
-            traj.num_turns += 1
-            traj.num_tool_calls += len(action.tool_calls)
-            traj.empty_responses += not text.strip()
-            traj.messages.append(parse_assistant_message(text))
-            actions.append(action)
-
+            trajs[i].turn_states.append(state_keys[i])
+            actions.append(_add_turn(trajs[i], gen, budget, stop_ids, im_end, tokenizer))
         results = step_many([(trajs[i].task.env, states[i], a) for i, a in zip(active, actions)])
         still_active = []
-        for i, (state, obs, reward, done, info, error) in zip(active, results):
-            traj = trajs[i]
-            if error is not None:                  # a broken env ends this episode, not the whole batch
-                traj.env_errors += 1
-                traj.reward, traj.done, traj.finish_reason = 0.0, False, "env_error"
-                traj.turn_rewards = [0.0] * traj.num_turns
-                traj.info = {"error": error}
-                continue
-            states[i] = state
-            traj.reward += float(reward)
-            traj.turn_rewards.append(float(reward))
-            traj.info = dict(info)
-            # the env reports what this step added to its counters (Env.step); the trajectory sums them
-            traj.parse_failures += int(info.get("parse_failures", 0))
-            traj.tool_errors += int(info.get("tool_errors", 0))
-            traj.tool_timeouts += int(info.get("tool_timeouts", 0))
-
-            if done:
-                traj.done, traj.finish_reason = True, "done"
-                continue
-            if traj.num_turns >= cfg.max_turns:
-                traj.finish_reason = "max_turns"
-                continue
-            # only the new observation and the next generation prompt are rendered and appended
-            cont = encode(tokenizer, render_continuation(obs, cfg.chat_format, cfg.enable_thinking))
-            if len(traj.token_ids) + len(cont) + _MIN_ROOM > cfg.max_total_tokens:
-                traj.finish_reason = "max_tokens"  # no room to answer this observation: leave it out
-                continue
-            traj.token_ids += cont
-            traj.loss_mask += [0] * len(cont)
-            traj.logprobs += [0.0] * len(cont)
-            traj.versions += [-1] * len(cont)
-            traj.kept_sizes += [0] * len(cont)
-            traj.messages += list(obs)
-            state_keys[i] = state_key(info.get("state_key", cont))
-            still_active.append(i)
+        for i, result in zip(active, results):
+            cont = _add_step(trajs[i], result, tokenizer, cfg)
+            if result.error is None:
+                states[i] = result.state
+            if cont is not None:                   # the episode goes on
+                state_keys[i] = state_key(result.info.get("state_key", cont))
+                still_active.append(i)
         active = still_active
         turn += 1
     return trajs
+
+
+def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, im_end: int, tokenizer) -> Action:
+    """One generation appended to its episode (cut to the episode's budget and at its first stop token; closed with a
+    forced <|im_end|> when it was cut) -> the Action parsed from its text."""
+    ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
+    for k, t in enumerate(ids):                # keep up to the first stop token (an engine may run past it)
+        if t in stop_ids:
+            ids, lps = ids[:k + 1], lps[:k + 1]
+            break
+    stopped = bool(ids) and ids[-1] in stop_ids
+    content_ids = ids[:-1] if stopped else ids
+    traj.turn_starts.append(len(traj.token_ids))
+    traj.extend(ids, sampled=True, logprobs=lps, versions=(getattr(gen, "versions", None) or [])[:len(ids)],
+                kept_sizes=gen.kept_sizes[:len(ids)])       # empty sizes: not truncated
+    if not ids or ids[-1] != im_end:
+        # cut by max_tokens (or stopped by another stop token): close the turn so the conversation
+        # stays well formed. Forced, not sampled: mask 0, so the policy is not trained on it.
+        traj.extend([im_end])
+    text = tokenizer.decode(content_ids, skip_special_tokens=False)
+    action = make_action(text)
+    traj.num_turns += 1
+    traj.num_tool_calls += len(action.tool_calls)
+    traj.empty_responses += not text.strip()
+    traj.messages.append(parse_assistant_message(text))
+    return action
+
+
+def _add_step(traj: Trajectory, result: "StepResult", tokenizer, cfg: AgentConfig) -> list[int] | None:
+    """The env's step appended to its episode: reward, counters, and the observation's tokens when the episode goes
+    on -> those tokens, or None when it ends here (done, an env error, max_turns, no room left)."""
+    state, obs, reward, done, info, error = result
+    if error is not None:                      # a broken env ends this episode, not the whole batch
+        traj.env_errors += 1
+        traj.reward, traj.done, traj.finish_reason = 0.0, False, "env_error"
+        traj.turn_rewards = [0.0] * traj.num_turns
+        traj.info = {"error": error}
+        return None
+    traj.reward += float(reward)
+    traj.turn_rewards.append(float(reward))
+    traj.info = dict(info)
+    # the env reports what this step added to its counters (Env.step); the trajectory sums them
+    traj.parse_failures += int(info.get("parse_failures", 0))
+    traj.tool_errors += int(info.get("tool_errors", 0))
+    traj.tool_timeouts += int(info.get("tool_timeouts", 0))
+    if done:
+        traj.done, traj.finish_reason = True, "done"
+        return None
+    if traj.num_turns >= cfg.max_turns:
+        traj.finish_reason = "max_turns"
+        return None
+    # only the new observation and the next generation prompt are rendered and appended
+    cont = encode(tokenizer, render_continuation(obs, cfg.chat_format, cfg.enable_thinking))
+    if len(traj.token_ids) + len(cont) + _MIN_ROOM > cfg.max_total_tokens:
+        traj.finish_reason = "max_tokens"      # no room to answer this observation: leave it out
+        return None
+    traj.extend(cont)
+    traj.messages += list(obs)
+    return cont
 
 
 def finish_episodes(envs: dict[str, Env], trajs: list[Trajectory], judge_weight: float) -> list[Trajectory]:
@@ -343,9 +352,7 @@ class RolloutBatch:
     turn_mask: torch.Tensor            # (B, K) float, 1 on the turns the episode took
     turn_index: torch.Tensor           # (B, T) long, the assistant turn of each sampled token, -1 elsewhere
     turn_states: torch.Tensor          # (B, K) long, the state key of each turn (Trajectory.turn_states), -1 past the last
-    group_ids: torch.Tensor            # (B,) long, index of the task in the batch (GRPO group)
     lengths: torch.Tensor              # (B,) long, real tokens per row (the rest is padding)
-    versions: torch.Tensor | None = None  # (B, T) long, weight version that sampled token t (-1 where the mask is 0)
     kept_sizes: torch.Tensor | None = None  # (B, T) long, size of the top-k / top-p set token t was drawn from (-1:
                                        # not reported, the learner infers it; 0: whole vocabulary, and where mask is
                                        # 0); None: all 0
@@ -367,9 +374,7 @@ def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
         turn_mask=pad_right([m or [0.0] for m in turns], 0.0, torch.float),                    # (B, K)
         turn_index=_turn_index([t.turn_starts for t in trajs], loss_mask),               # (B, T)
         turn_states=pad_right([t.turn_states or [-1] for t in trajs], -1, torch.long),   # (B, K)
-        group_ids=torch.tensor([t.group for t in trajs], dtype=torch.long),              # (B,)
         lengths=torch.tensor([len(t.token_ids) for t in trajs], dtype=torch.long),       # (B,)
-        versions=pad_right([t.versions or [-1] * len(t.token_ids) for t in trajs], -1, torch.long),  # (B, T)
     )
 
 

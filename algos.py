@@ -311,34 +311,6 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
     return loss, metrics
 
 
-def truncated_is_weights(old_logp, behaviour_logp, mask, cap: float):
-    """Truncated importance weights w_t = min(pi_old(y_t) / mu(y_t), cap) for samples drawn from mu, not pi_old.
-
-    PPO's ratio pi / pi_old assumes the samples came from pi_old, the policy the learner recomputes the old
-    log-probs with. They did not when the engine runs other weights: one update behind in one-step
-    off-policy (async) training, or in another precision (bf16 vLLM vs the fp32 learner). Weighting each
-    token's loss by pi_old / mu makes the gradient that of samples from pi_old again; truncating the weight
-    at `cap` bounds the variance (IMPALA's rho-bar; Yao et al. 2025 for the engine/learner gap). All (B, T);
-    `behaviour_logp` = the engine's log-probs. Returns (weights, metrics) with the weights 0 off the mask:
-        tis_weight_mean     mean w over valid tokens (1 when mu = pi_old)
-        tis_clip_frac       share of valid tokens whose weight the cap truncated
-        behaviour_kl        k3 estimate of KL(mu || pi_old), how far off-policy the batch is
-    """
-    valid = mask.bool()
-    log_w = torch.where(valid, old_logp - behaviour_logp, 0.0)                  # (B, T)
-    # --- algorithm ---
-    w = torch.exp(log_w.clamp(max=20.0)).clamp(max=cap)
-    # --- end algorithm ---
-    w = torch.where(valid, w, 0.0).detach()
-    with torch.no_grad():
-        metrics = {
-            "tis_weight_mean": _metric_mean(w, valid, per_seq=False),
-            "tis_clip_frac": _metric_mean((log_w > torch.log(torch.tensor(cap))).to(w.dtype), valid, per_seq=False),
-            "behaviour_kl": _metric_mean(torch.expm1(log_w.clamp(max=20.0)) - log_w, valid, per_seq=False),
-        }
-    return w, metrics
-
-
 def _metric_mean(x, valid, per_seq: bool):
     """Mean of x over valid tokens, or (per_seq) the mean over non-empty rows of each row's token mean."""
     x = torch.where(valid, x, 0.0)
@@ -629,7 +601,7 @@ def off_policy_weights(old_logp, behaviour_logp, mask, cfg: OffPolicyConfig):
         none, any level   w_t = 1                                    (no correction; the metrics still say how
                                                                       far off-policy the batch is)
         tis,  token       w_t = min(rho_t, cap)                      truncated IS (IMPALA's rho-bar, arXiv:1802.01561;
-                                                                      Yao et al. 2025); = truncated_is_weights
+                                                                      Yao et al. 2025)
         tis,  sequence    w_t = min(prod_t rho_t, cap)               the exact sequence ratio, truncated
         mis,  token       w_t = rho_t [low <= rho_t <= high]         IcePop (arXiv:2510.18855): a token the two
                                                                       engines disagree on leaves the gradient
@@ -666,7 +638,7 @@ def off_policy_weights(old_logp, behaviour_logp, mask, cfg: OffPolicyConfig):
         w = torch.ones_like(log_rho)
     elif cfg.kind == "tis":
         log_r = log_rho if cfg.level == "token" else log_rho.sum(dim=1, keepdim=True).expand_as(log_rho)
-        w = log_r.clamp(max=20.0).exp().clamp(max=cfg.tis_cap)                 # min(r, cap), as truncated_is_weights
+        w = log_r.clamp(max=20.0).exp().clamp(max=cfg.tis_cap)                 # min(r, cap): IMPALA's rho-bar
         clipped = log_r > _log(cfg.tis_cap)
     else:  # mis
         log_r = log_rho if cfg.level == "token" else _seq_log_ratio(log_rho, valid).expand_as(log_rho)

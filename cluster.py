@@ -15,9 +15,10 @@ Two independent uses, each off unless asked for:
              and running the same entry point (train.main) as one rank: `ray job submit -- python train.py ...`
              trains exactly as `torchrun --nproc_per_node N train.py ...` does.
 
-`ray` is imported only inside the functions that use it, and the engines only inside RolloutWorker, so importing
-this file needs neither (config.py reads RayConfig and DISPATCHERS from it).
-Imports: agent.py and env.py (and torch, the standard library; ray, tokenizers and rollout.py where used).
+A wing: train.py reaches it by name (rollout.wing) when ray.rollout_workers or ray.learner_workers is set; its
+settings are config.RayConfig. `ray` is imported only inside the functions that use it, and the engines only inside
+RolloutWorker, so importing this file needs neither. Docs: docs/scaling.md.
+Imports: agent.py, env.py and config.py (and torch, the standard library; ray, tokenizers and rollout.py where used).
 """
 import dataclasses
 import os
@@ -29,45 +30,15 @@ import torch
 
 from agent import (AgentConfig, StepResult, Trajectory, finish_episodes, init_episodes, play_episodes, run_episodes,
                    step_envs)
+from config import DISPATCHERS
 from env import Action, Env, Task, make_env, mix_seed
 
 
 # -----------------------------------------------------------------------------
 # the ray: section of the config
 
-@dataclass
-class RayConfig:
-    """The `ray:` section of the config. Launching (launch_on_ray): `ray.learner_workers=N` runs the learner as N
-    Ray actors, the same SPMD ranks that `torchrun --nproc_per_node N` starts. Rollouts (start_ray_rollouts):
-    `ray.rollout_workers=M` plays the episodes on M RolloutWorker actors through a dispatcher."""
-    address: str = ""                # the cluster to join: "" = $RAY_ADDRESS when set (e.g. by `ray job submit`), else a
-                                     # local Ray started in this process; or e.g. "HEAD_IP:6379"
-    placement_strategy: str = "PACK"  # how actors' bundles are placed: PACK (as few nodes as possible) or SPREAD
-                                     # (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
-    # --- the learner's ranks as actors (launch_on_ray)
-    learner_workers: int = 0         # 0: this process is the whole learner (or torchrun's ranks are); N > 0: N learner
-                                     # actors, one rank each (gloo on CPU, NCCL on GPUs)
-    cpus_per_learner: float = 1.0    # CPUs Ray reserves for each learner actor (its torch threads default to this)
-    gpus_per_learner: float = 0.0    # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
-    # --- rollout workers and dispatchers (start_ray_rollouts, dispatch); rank 0 alone talks to them
-    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each) that play the episodes;
-                                     # 0: the engine in this process, and Ray is never imported for rollouts
-    env_workers: int = 0             # EnvWorker actors: env steps of every worker go through them (CPU-heavy envs), and
-                                     # they run async_pipeline's init and evaluate stages (which need at least 1)
-    dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (dispatch)
-    chunk_groups: int = 1            # task groups per unit of work: one worker call, one seed (from its first group)
-    max_in_flight: int = 0           # chunks in flight at most: async_batch_bounded (0: one per worker) and
-                                     # async_pipeline (0: two per worker); async_batch submits all
-    cpus_per_worker: float = 1.0     # each rollout worker's placement-group bundle: CPUs ...
-    gpus_per_worker: float = 0.0     # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
-    cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
-
-
 # -----------------------------------------------------------------------------
 # rollout workers, env workers, dispatchers
-
-DISPATCHERS = ("async_batch", "async_batch_bounded", "async_pipeline")
-
 
 @dataclass
 class WorkerSpec:

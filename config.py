@@ -7,8 +7,10 @@ file in configs/ holds only what differs from these defaults; the command line c
 
 Values are type-checked against the field's type; an unknown key is an error that names the closest
 valid key (a typo must never silently train with the default). The resolved config is saved with the run.
-The files and folders a config names are checked by the entry points (check_paths), so a wrong path is one line,
-`config error: ...`, and exit status 2 (config_exit), before anything is built.
+The files and folders a config names are checked by the entry points (runs.check_paths), so a wrong path is one
+line, `config error: ...`, and exit status 2 (config_exit), before anything is built.
+Imports: the files whose dataclasses it assembles (agent.py, learner.py) and the catalogues it checks names against
+(algos.py, chat.py); never an engine, a wing or the file system's checks.
 """
 import dataclasses
 import difflib
@@ -16,18 +18,14 @@ import os
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
 import algos
 from agent import AgentConfig
 from chat import CHAT_FORMATS
-from cluster import DISPATCHERS, RayConfig
-from env import env_class
 from learner import LearnerConfig
-from model import safetensors_files
-from runs import MARKER, resolve_resume
 
 
 @dataclass
@@ -177,6 +175,38 @@ class EvalConfig:
                                      # sample)); with n > 1 set eval_temperature > 0, or greedy samples mostly agree
     pass_k: list[int] = field(default_factory=lambda: [1])  # report eval/<env>/pass@k for each k (1 <= k <= n_samples):
                                      # the chance that at least one of k samples succeeds (eval.pass_at_k)
+
+
+@dataclass
+class RayConfig:
+    """The `ray:` section of the config. Launching (launch_on_ray): `ray.learner_workers=N` runs the learner as N
+    Ray actors, the same SPMD ranks that `torchrun --nproc_per_node N` starts. Rollouts (start_ray_rollouts):
+    `ray.rollout_workers=M` plays the episodes on M RolloutWorker actors through a dispatcher."""
+    address: str = ""                # the cluster to join: "" = $RAY_ADDRESS when set (e.g. by `ray job submit`), else a
+                                     # local Ray started in this process; or e.g. "HEAD_IP:6379"
+    placement_strategy: str = "PACK"  # how actors' bundles are placed: PACK (as few nodes as possible) or SPREAD
+                                     # (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
+    # --- the learner's ranks as actors (launch_on_ray)
+    learner_workers: int = 0         # 0: this process is the whole learner (or torchrun's ranks are); N > 0: N learner
+                                     # actors, one rank each (gloo on CPU, NCCL on GPUs)
+    cpus_per_learner: float = 1.0    # CPUs Ray reserves for each learner actor (its torch threads default to this)
+    gpus_per_learner: float = 0.0    # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
+    # --- rollout workers and dispatchers (start_ray_rollouts, dispatch); rank 0 alone talks to them
+    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each) that play the episodes;
+                                     # 0: the engine in this process, and Ray is never imported for rollouts
+    env_workers: int = 0             # EnvWorker actors: env steps of every worker go through them (CPU-heavy envs), and
+                                     # they run async_pipeline's init and evaluate stages (which need at least 1)
+    dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (dispatch)
+    chunk_groups: int = 1            # task groups per unit of work: one worker call, one seed (from its first group)
+    max_in_flight: int = 0           # chunks in flight at most: async_batch_bounded (0: one per worker) and
+                                     # async_pipeline (0: two per worker); async_batch submits all
+    cpus_per_worker: float = 1.0     # each rollout worker's placement-group bundle: CPUs ...
+    gpus_per_worker: float = 0.0     # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
+    cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
+
+
+# the rollout dispatchers of cluster.py (ray.dispatcher)
+DISPATCHERS = ("async_batch", "async_batch_bounded", "async_pipeline")
 
 
 @dataclass
@@ -371,21 +401,7 @@ def validate(cfg: Config) -> Config:
     if off.kind == "tis" and off.tis_cap <= 0 or off.kind == "mis" and not 0 < off.mis_low <= 1 <= off.mis_high:
         raise ValueError(f"learner.off_policy needs tis_cap > 0 (tis) and 0 < mis_low <= 1 <= mis_high (mis), got "
                          f"tis_cap={off.tis_cap}, mis_low={off.mis_low}, mis_high={off.mis_high}")
-    if cfg.rollout.async_rollouts and off.kind == "none":
-        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
-                         "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
-                         "for them")
-    if cfg.rollout.max_staleness < 1:
-        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= 1 (updates the engine may run "
-                         "ahead of the learner; 1: one-step async)")
-    if cfg.rollout.max_staleness > 1 and not cfg.rollout.async_rollouts:
-        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} bounds async rollouts: set "
-                         "rollout.async_rollouts=true (without it every batch is sampled from the current weights)")
-    if cfg.rollout.partial_rollouts and not (cfg.rollout.async_rollouts and cfg.rollout.engine == "torch"
-                                             and not cfg.ray.rollout_workers):
-        raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
-                         "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
-                         "ray.rollout_workers=0)")
+    validate_async(cfg)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1] (1: off; 0.9 keeps the smallest set of "
                          "tokens holding 90% of the mass)")
@@ -412,6 +428,25 @@ def validate(cfg: Config) -> Config:
         raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
                          "non-empty")
     return cfg
+
+
+def validate_async(cfg: Config):
+    """The async schedule's choices (rollout.async_rollouts, max_staleness, partial_rollouts; async_rollouts.py)."""
+    if cfg.rollout.async_rollouts and cfg.learner.off_policy.kind == "none":
+        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
+                         "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
+                         "for them")
+    if cfg.rollout.max_staleness < 1:
+        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= 1 (updates the engine may run "
+                         "ahead of the learner; 1: one-step async)")
+    if cfg.rollout.max_staleness > 1 and not cfg.rollout.async_rollouts:
+        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} bounds async rollouts: set "
+                         "rollout.async_rollouts=true (without it every batch is sampled from the current weights)")
+    if cfg.rollout.partial_rollouts and not (cfg.rollout.async_rollouts and cfg.rollout.engine == "torch"
+                                             and not cfg.ray.rollout_workers):
+        raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
+                         "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
+                         "ray.rollout_workers=0)")
 
 
 def validate_ray(cfg: Config):
@@ -474,6 +509,12 @@ def _merge_value(old, new, key: str):
     return new
 
 
+def learner_configs(cfg: Config) -> tuple[LearnerConfig, LearnerConfig]:
+    """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
+    policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
+    return policy, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
+
+
 def engine_options(cfg: Config) -> dict:
     """rollout.make_engine's keywords for this run (everything but the kind, the folder and the pad id): the one
     place the engine's context length is derived, whoever builds the engine (train.py, eval.py, Ray workers)."""
@@ -483,13 +524,11 @@ def engine_options(cfg: Config) -> dict:
             "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
             "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
             "base_url": rollout.base_url, "served_model": rollout.served_model,
-            "prefix_cache_tokens": rollout.prefix_cache_tokens}
+            "prefix_cache_tokens": rollout.prefix_cache_tokens, "concurrent": rollout.async_rollouts}
 
 
 # -----------------------------------------------------------------------------
-# the files and folders a config names: checked by the entry points (train.cli, eval.main) before anything is
-# built, so a wrong path is one clear line, not a traceback from deep inside tokenizers or torch.load. load_config
-# stays pure (tests build configs with paths that do not exist); these read the file system.
+# how an entry point ends on bad input (the paths a config names are checked in runs.check_paths)
 
 def config_exit(e: Exception):
     """How an entry point ends on bad input: `config error: ...` (one line, on stderr) and exit status 2, the status
@@ -499,86 +538,3 @@ def config_exit(e: Exception):
     stop = SystemExit(message)
     stop.code = 2
     raise stop
-
-
-def _named(key: str, path) -> str:
-    return f"{key} {path!r}" if key.startswith("--") else f"{key}={path!r}"   # a flag, or a config key
-
-
-def check_file(path, key: str) -> str:
-    """`path` if it is a file; else ValueError naming `key` (a config key, or a flag like --config)."""
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{_named(key, path)} must be the path of a file")
-    if not os.path.isfile(path):
-        raise ValueError(f"{_named(key, path)}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
-    return path
-
-
-def _check_folder(path, key: str, what: str) -> str:
-    """`path` if it is a folder; else ValueError naming `key`, the path and `what` it should be."""
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{_named(key, path)} must be the path of {what}")
-    if not os.path.isdir(path):
-        raise ValueError(f"{_named(key, path)}: " + (f"a file, not {what}" if os.path.exists(path) else "no such folder"))
-    return path
-
-
-def _refuse_missing(path: str, key: str, what: str, missing: list[str]) -> str:
-    """`path` when nothing is `missing`; else ValueError naming `key`, the path and everything missing."""
-    if missing:
-        listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " or " + missing[-1]
-        raise ValueError(f"{_named(key, path)} is not {what}: it has no {listed}")
-    return path
-
-
-def check_model_folder(path, key: str, weights: bool = True) -> str:
-    """`path` if it is a Hugging Face model folder as model.load_model and the engines read it: config.json,
-    tokenizer.json and the weights (model.safetensors, or the shards model.safetensors.index.json lists); else
-    ValueError naming `key` and what is missing. weights=False: only the tokenizer is read (the openai engine's
-    folder). The one check for any model a config names (the policy, a checkpoint, a teacher or reference)."""
-    what = "a Hugging Face model folder"
-    _check_folder(path, key, what)
-    needs = (["config.json"] if weights else []) + ["tokenizer.json"]
-    missing = [n for n in needs if not os.path.isfile(os.path.join(path, n))]
-    if weights:
-        try:                                      # model.safetensors, or every shard the index lists
-            shards = safetensors_files(path)
-        except (OSError, ValueError, KeyError, AttributeError, TypeError):  # not {"weight_map": {name: file}}
-            raise ValueError(f"{_named(key, path)}: its model.safetensors.index.json is not a readable index") from None
-        absent = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
-        if shards == ["model.safetensors"] and absent:
-            missing.append("weights (model.safetensors, or model.safetensors.index.json and its shards)")
-        else:
-            missing += [f"{s} (listed in model.safetensors.index.json)" for s in absent]
-    return _refuse_missing(path, key, what, missing)
-
-
-def check_checkpoint_folder(path, key: str, critic: bool = False) -> str:
-    """`path` if it is a complete checkpoint folder that a run resumes from (learner.save_checkpoint wrote
-    trainer_state.pt, and critic/trainer_state.pt for PPO's critic when `critic`; runs.save_run_checkpoint wrote its
-    marker last, so a folder a kill left half written has none); else ValueError naming `key`."""
-    what = "a checkpoint folder"
-    _check_folder(path, key, what)
-    needs = ["trainer_state.pt", MARKER] + (["critic/trainer_state.pt"] if critic else [])
-    return _refuse_missing(path, key, what, [n for n in needs if not os.path.isfile(os.path.join(path, n))])
-
-
-def check_paths(cfg: Config, training: bool = True) -> Config:
-    """Every file and folder `cfg` names, checked -> cfg; else ValueError naming the key and the path.
-    Envs: the kwargs their class lists in `file_kwargs` (the dataset env's path and test_path). training=True
-    (train.py) also checks what only training reads: model.path ("default" is built on first use) and resume (a
-    complete checkpoint; "auto" finds the run's latest one itself), and refuses to resume into a run folder whose
-    config.yaml differs (runs.resolve_resume)."""
-    for i, spec in enumerate(cfg.envs):
-        for name in env_class(spec.name).file_kwargs:
-            if spec.kwargs.get(name) is not None:
-                check_file(spec.kwargs[name], f"envs.{i}.kwargs.{name}")
-    if training and cfg.model.path != "default":
-        check_model_folder(cfg.model.path, "model.path")
-    if training and cfg.algo.teacher_path:
-        check_model_folder(cfg.algo.teacher_path, "algo.teacher_path")
-    if training and cfg.resume and cfg.resume != "auto":
-        check_checkpoint_folder(cfg.resume, "resume", critic=cfg.algo.advantage == "gae")
-    if training and cfg.resume:                   # resuming into a run folder whose config.yaml is another run's
-        resolve_resume(cfg)
-    return cfg

@@ -13,7 +13,7 @@ all episodes, also reported as mean@n), pass@k for each k of eval.pass_k (the un
 2021, pass_at_k), mean turns, tool calls per episode, tokens per episode and the parse-failure rate. Every episode
 is dumped as a JSON line (full conversation, reward, counts) so that a person can read what the policy actually did.
 
-train.py calls `evaluate` at step 0, every `eval_every` steps and at the end.
+train.py calls `run_eval` (evaluate, then the episodes dumped) at step 0, every `eval_every` steps and at the end.
 """
 import argparse
 import json
@@ -21,10 +21,12 @@ import math
 import os
 import random
 import re
+import time
 from dataclasses import replace
 
 from agent import AgentConfig, LocalRollouts, Trajectory
 from env import Action, Env, Task, ToolCall, make_env, mix_seed
+from rollout import SamplingParams
 
 
 def heldout_tasks(envs: dict[str, Env], sizes: dict[str, int], seed: int) -> dict[str, list[Task]]:
@@ -189,12 +191,24 @@ def print_metrics(metrics: dict[str, float]) -> None:
         print(f"{k:40s} {metrics[k]:.4f}")
 
 
+def run_eval(cfg, rollouts, eval_tasks: dict, run_dir: str, step: int) -> dict:
+    """train.py's evaluation at RL step `step`: eval.n_samples episodes per held-out task (greedy unless
+    eval_temperature) -> the eval/... metrics (pass@k among them); the episodes dumped to episodes_step<step>.jsonl."""
+    params = SamplingParams.of(cfg.rollout, temperature=cfg.eval_temperature, seed=cfg.eval_seed)
+    t0 = time.time()
+    metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,
+                              tuple(cfg.eval.pass_k))
+    dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
+    return {**metrics, "perf/eval_seconds": time.time() - t0}
+
+
 def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
     from tokenizers import Tokenizer
 
-    from config import check_file, check_model_folder, check_paths, config_exit, engine_options, load_config
-    from rollout import SamplingParams, make_engine
+    from config import config_exit, engine_options, load_config
+    from runs import check_file, check_model_folder, check_paths
+    from rollout import make_engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a Hugging Face folder with tokenizer.json")
@@ -231,8 +245,7 @@ def main(argv=None):
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
     engine = make_engine(cfg.rollout.engine, args.checkpoint, pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          **{**engine_options(cfg), "seed": cfg.eval_seed})
-    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
+    params = SamplingParams.of(cfg.rollout, temperature=cfg.eval_temperature, seed=cfg.eval_seed)
     rollouts = LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
     metrics, trajs = evaluate(rollouts, tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,
                               tuple(cfg.eval.pass_k))

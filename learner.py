@@ -22,20 +22,19 @@ How one RL update works (train.py says where the batch and its old log-probs com
      normaliser, so 1 process and N processes, with any micro-batch size, give the same gradient.
 
 Sections: config and state; distributed (init, FSDP2 sharding, full state dicts); scoring; the RL update;
-the critic; SFT; LoRA (written out by hand); checkpoints.
-Shapes: B sequences, T tokens, r LoRA rank, in/out a linear layer's input/output features.
+the critic; SFT; the weights an engine loads; checkpoints. LoRA is a wing (lora.py), reached through two hooks: a
+module's fold_into (merged_state_dict) and a model's adapter (save_checkpoint, load_checkpoint).
+Shapes: B sequences, T tokens.
 Imports: model.py (the network, save/load) and algos.py (the losses) only.
 """
 import copy
 import glob
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -598,132 +597,20 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
 
 
 # -----------------------------------------------------------------------------
-# LoRA, written out (Hu et al. 2021, https://arxiv.org/abs/2106.09685)
-#
-# A wrapped linear computes  y = x W^T + b + s * dropout(x) A^T B^T,  s = alpha / r,  with W, b frozen and
-# only A (r, in) and B (out, r) trained. B starts at zero, so the wrapped model starts *equal* to the base.
-# The engine never sees LoRA: merged_state_dict folds W + s * B @ A into plain Hugging Face weights in
-# memory. Adapter files use PEFT's names and config, so `peft` (and vLLM's LoRA loader) read them.
-
-class LoRALinear(torch.nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update. The frozen weight keeps its Hugging Face name
-    (`...q_proj.weight`), so the base checkpoint loads into a wrapped model unchanged."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator):
-        super().__init__()
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight                                     # (out, in) frozen
-        self.bias = base.bias                                         # (out,) frozen, or None
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        dt = base.weight.dtype
-        self.lora_A = torch.nn.Parameter(torch.empty(rank, self.in_features, dtype=dt))   # (r, in)
-        # PEFT's init: A like an nn.Linear's default (kaiming-uniform, a = sqrt(5)), B = 0
-        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
-        self.lora_B = torch.nn.Parameter(torch.zeros(self.out_features, rank, dtype=dt))  # (out, r)
-        self.scaling = alpha / rank
-        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)                                   # (..., out)
-        z = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)         # (..., r) -> (..., out)
-        return y + self.scaling * z
-
-
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float = 0.0,
-               targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-               seed: int = 0) -> torch.nn.Module:
-    """Wrap every nn.Linear whose attribute name is in `targets` with LoRALinear, in place, and freeze
-    everything else: afterwards only the adapters require grad. `seed` draws the A matrices (every rank
-    must draw the same ones). Apply before shard_model and before make_learner (its optimizer takes the
-    parameters that require grad)."""
-    model.requires_grad_(False)
-    g = torch.Generator().manual_seed(seed)
-    wrapped = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if name in targets and isinstance(child, torch.nn.Linear):
-                setattr(parent, name, LoRALinear(child, rank, alpha, dropout, g))
-                wrapped.append(f"{parent_name}.{name}" if parent_name else name)
-    if not wrapped:
-        raise ValueError(f"apply_lora: no nn.Linear named one of {list(targets)} in the model")
-    # what save_adapter writes into adapter_config.json
-    model.lora_config = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-                         "target_modules": sorted({w.rsplit(".", 1)[-1] for w in wrapped})}
-    return model
-
-
-def _lora_modules(model: torch.nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
-
+# the weights an engine loads (adapters folded in)
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What the inference engine loads: Hugging Face names, with every LoRA weight merged in memory,
-    W' = W + s * B @ A (in fp32, then back to W's dtype). Without LoRA: full_state_dict(model). Sharded:
-    every rank calls it, rank 0 gets the dict (the others an empty one)."""
+    """What the inference engine loads: full_state_dict(model) with every adapter folded into the weight it adapts
+    (a module with a `fold_into(sd, name)` hook: lora.LoRALinear, W' = W + s * B @ A). Without adapters:
+    full_state_dict(model). Sharded: every rank calls it, rank 0 gets the dict (the others an empty one)."""
     sd = full_state_dict(model)
-    lora = _lora_modules(model)
-    if not sd or not lora:
+    adapters = [(n, m) for n, m in model.named_modules() if hasattr(m, "fold_into")]
+    if not sd or not adapters:
         return sd
     sd = dict(sd)                                  # a new dict: the live state_dict's entries stay untouched
-    for name, m in lora:
-        A, B, W = sd.pop(f"{name}.lora_A"), sd.pop(f"{name}.lora_B"), sd[f"{name}.weight"]  # (r, in) (out, r) (out, in)
-        sd[f"{name}.weight"] = (W.float() + m.scaling * (B.float() @ A.float())).to(W.dtype)  # (out, in)
+    for name, m in adapters:
+        m.fold_into(sd, name)
     return sd
-
-
-def _peft_name(name: str, which: str) -> str:
-    """'model.layers.0.self_attn.q_proj', 'A' -> 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'
-    (PEFT wraps the model twice, as `base_model.model`, and stores each adapter matrix as a Linear's weight)."""
-    return f"base_model.model.{name}.lora_{which}.weight"
-
-
-def save_adapter(model: torch.nn.Module, path: str, base_model: str = "") -> None:
-    """Write `path/adapter_model.safetensors` (PEFT names) and `path/adapter_config.json` (PEFT fields).
-    Only the adapters are gathered and written. Sharded: every rank calls it, rank 0 writes."""
-    if is_sharded(model):
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                  ignore_frozen_params=True))
-    else:
-        sd = model.state_dict()
-    if not is_main():
-        return
-    tensors = {}
-    for name, _ in _lora_modules(model):
-        for which in ("A", "B"):
-            tensors[_peft_name(name, which)] = sd[f"{name}.lora_{which}"].detach().cpu().contiguous()
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
-              **model.lora_config}
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-
-
-def load_adapter(model: torch.nn.Module, path: str) -> torch.nn.Module:
-    """Copy the adapters in `path` (save_adapter's files) into a model wrapped by apply_lora with the same
-    rank and targets. Every adapter must be present and no other name; every rank reads the files."""
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        config = json.load(f)
-    if config["r"] != model.lora_config["r"] or float(config["lora_alpha"]) != float(model.lora_config["lora_alpha"]):
-        raise ValueError(f"adapter {path}: r={config['r']}, alpha={config['lora_alpha']} but the model has "
-                         f"r={model.lora_config['r']}, alpha={model.lora_config['lora_alpha']}")
-    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-    names = {_peft_name(n, w): f"{n}.lora_{w}" for n, _ in _lora_modules(model) for w in ("A", "B")}
-    if set(tensors) != set(names):
-        raise ValueError(f"adapter {path}: missing {sorted(set(names) - set(tensors))[:5]}, "
-                         f"unexpected {sorted(set(tensors) - set(names))[:5]}")
-    sd = {names[k]: v for k, v in tensors.items()}
-    if is_sharded(model):                          # each rank keeps its shard of the full tensors
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
-    else:
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for k, v in sd.items():
-                params[k].copy_(v)
-    return model
 
 
 # -----------------------------------------------------------------------------
@@ -736,8 +623,9 @@ def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, b
     Sharded: every rank calls it (weights and optimizer state are gathered), rank 0 writes. The optimizer
     state is keyed by parameter name, so a checkpoint resumes under any number of processes."""
     model = state.model
-    if _lora_modules(model):
-        save_adapter(model, path, base_model)
+    adapter = getattr(model, "adapter", None)     # a wing's adapters (lora.py): only they train, only they are saved
+    if adapter is not None:
+        adapter.save(model, path, base_model)
         sd = {}
     else:
         sd = full_state_dict(model)
@@ -783,8 +671,9 @@ def _tied(model) -> bool:
 def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
     """Restore weights (or a LoRA model's adapters), optimizer, optimizer step and RNG from `path` into `state`
     (built the same way as when saved, with any number of processes). Every rank reads the files."""
-    if _lora_modules(state.model):
-        load_adapter(state.model, path)
+    adapter = getattr(state.model, "adapter", None)
+    if adapter is not None:
+        adapter.load(state.model, path)
     else:
         sd = {}
         for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):

@@ -33,10 +33,12 @@ import time
 import torch
 import yaml
 
+from env import env_class
 from learner import LearnerState, barrier, is_main, save_checkpoint, save_merged
+from model import safetensors_files, train_flops
 from plot import save_curves
 
-PENDING = "pending_rollouts.pkl"        # async mode: the queued batches (train.Prefetcher), saved with a checkpoint
+PENDING = "pending_rollouts.pkl"        # async mode: the queued batches (async_rollouts.AsyncSchedule), saved with a checkpoint
 MARKER = "checkpoint.json"              # written last into a checkpoint folder: {"rl_step", "optimizer_step", ...}
 # what may change between a run and its resumed continuation: how long it runs, where and how it is launched,
 # how it is logged and checkpointed; anything else would silently train a different run
@@ -310,6 +312,95 @@ def finish_run(run_dir: str, history: list, minutes: float) -> dict:
 
 
 # -----------------------------------------------------------------------------
+# the files and folders a config names: checked by the entry points (train.cli, eval.main) before anything is
+# built, so a wrong path is one clear line (config.config_exit), not a traceback from deep inside tokenizers or
+# torch.load. config.load_config stays pure (tests build configs with paths that do not exist); these read the
+# file system.
+
+def _named(key: str, path) -> str:
+    return f"{key} {path!r}" if key.startswith("--") else f"{key}={path!r}"   # a flag, or a config key
+
+
+def check_file(path, key: str) -> str:
+    """`path` if it is a file; else ValueError naming `key` (a config key, or a flag like --config)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{_named(key, path)} must be the path of a file")
+    if not os.path.isfile(path):
+        raise ValueError(f"{_named(key, path)}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
+    return path
+
+
+def _check_folder(path, key: str, what: str) -> str:
+    """`path` if it is a folder; else ValueError naming `key`, the path and `what` it should be."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{_named(key, path)} must be the path of {what}")
+    if not os.path.isdir(path):
+        raise ValueError(f"{_named(key, path)}: " + (f"a file, not {what}" if os.path.exists(path) else "no such folder"))
+    return path
+
+
+def _refuse_missing(path: str, key: str, what: str, missing: list[str]) -> str:
+    """`path` when nothing is `missing`; else ValueError naming `key`, the path and everything missing."""
+    if missing:
+        listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " or " + missing[-1]
+        raise ValueError(f"{_named(key, path)} is not {what}: it has no {listed}")
+    return path
+
+
+def check_model_folder(path, key: str, weights: bool = True) -> str:
+    """`path` if it is a Hugging Face model folder as model.load_model and the engines read it: config.json,
+    tokenizer.json and the weights (model.safetensors, or the shards model.safetensors.index.json lists); else
+    ValueError naming `key` and what is missing. weights=False: only the tokenizer is read (the openai engine's
+    folder). The one check for any model a config names (the policy, a checkpoint, a teacher or reference)."""
+    what = "a Hugging Face model folder"
+    _check_folder(path, key, what)
+    needs = (["config.json"] if weights else []) + ["tokenizer.json"]
+    missing = [n for n in needs if not os.path.isfile(os.path.join(path, n))]
+    if weights:
+        try:                                      # model.safetensors, or every shard the index lists
+            shards = safetensors_files(path)
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):  # not {"weight_map": {name: file}}
+            raise ValueError(f"{_named(key, path)}: its model.safetensors.index.json is not a readable index") from None
+        absent = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if shards == ["model.safetensors"] and absent:
+            missing.append("weights (model.safetensors, or model.safetensors.index.json and its shards)")
+        else:
+            missing += [f"{s} (listed in model.safetensors.index.json)" for s in absent]
+    return _refuse_missing(path, key, what, missing)
+
+
+def check_checkpoint_folder(path, key: str, critic: bool = False) -> str:
+    """`path` if it is a complete checkpoint folder that a run resumes from (learner.save_checkpoint wrote
+    trainer_state.pt, and critic/trainer_state.pt for PPO's critic when `critic`; runs.save_run_checkpoint wrote its
+    marker last, so a folder a kill left half written has none); else ValueError naming `key`."""
+    what = "a checkpoint folder"
+    _check_folder(path, key, what)
+    needs = ["trainer_state.pt", MARKER] + (["critic/trainer_state.pt"] if critic else [])
+    return _refuse_missing(path, key, what, [n for n in needs if not os.path.isfile(os.path.join(path, n))])
+
+
+def check_paths(cfg, training: bool = True):
+    """Every file and folder `cfg` names, checked -> cfg; else ValueError naming the key and the path.
+    Envs: the kwargs their class lists in `file_kwargs` (the dataset env's path and test_path). training=True
+    (train.py) also checks what only training reads: model.path ("default" is built on first use) and resume (a
+    complete checkpoint; "auto" finds the run's latest one itself), and refuses to resume into a run folder whose
+    config.yaml differs (runs.resolve_resume)."""
+    for i, spec in enumerate(cfg.envs):
+        for name in env_class(spec.name).file_kwargs:
+            if spec.kwargs.get(name) is not None:
+                check_file(spec.kwargs[name], f"envs.{i}.kwargs.{name}")
+    if training and cfg.model.path != "default":
+        check_model_folder(cfg.model.path, "model.path")
+    if training and cfg.algo.teacher_path:
+        check_model_folder(cfg.algo.teacher_path, "algo.teacher_path")
+    if training and cfg.resume and cfg.resume != "auto":
+        check_checkpoint_folder(cfg.resume, "resume", critic=cfg.algo.advantage == "gae")
+    if training and cfg.resume:                   # resuming into a run folder whose config.yaml is another run's
+        resolve_resume(cfg)
+    return cfg
+
+
+# -----------------------------------------------------------------------------
 # perf metrics: MFU and peak memory
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched against
@@ -356,6 +447,23 @@ def peak_flops(device: torch.device, override: float = 0.0) -> float:
             if key in name:
                 return flops
     return measured_matmul_flops(device, torch.get_num_threads())
+
+
+class PerfMeter:
+    """perf/mfu and perf/peak_memory_gib of the learner, step by step: the model FLOPs of an update (every epoch) over
+    its time and the peak of the devices that ran it (world processes of `device`, measured once, at the start)."""
+
+    def __init__(self, device: torch.device, override: float, world: int):
+        self.device, self.world = device, world
+        self.peak = peak_flops(device, override)
+
+    def measure(self, model, lengths: torch.Tensor, epochs: int, seconds: float, updated: bool) -> dict:
+        """The perf metrics of one step: mfu only when the step updated the model; peak memory always."""
+        out = {}
+        if updated:
+            out["perf/mfu"] = train_flops(model, lengths) * epochs / max(seconds, 1e-9) / (self.peak * self.world)
+        out["perf/peak_memory_gib"] = peak_memory_gib(self.device)
+        return out
 
 
 def peak_memory_gib(device: torch.device) -> float:

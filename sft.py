@@ -35,7 +35,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from agent import pad_right, run_episodes
 from chat import encode, render
 from env import make_env
-from learner import LearnerConfig, make_learner, sft_step
+from learner import LearnerConfig, barrier, is_main, make_learner, sft_step
 from model import ModelConfig, init_model, save_model
 from rollout import SamplingParams, make_engine
 
@@ -103,6 +103,17 @@ def default_model_dir(cfg, sft) -> str:
     return "default_model_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
+def model_folder(cfg) -> str:
+    """model.path, or the embedded default model: rank 0 builds it (build_default_model) or finds it cached, then
+    every other rank finds it (train.py's entry)."""
+    if cfg.model.path != "default":
+        return cfg.model.path
+    if is_main():
+        build_default_model(cfg)
+    barrier()
+    return build_default_model(cfg)
+
+
 def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     """Return the folder of the embedded default model for this config, building it if it is not cached.
     `cfg` is config.Config; only cfg.sft, cfg.envs, cfg.rollout and cfg.model.cache_dir are read."""
@@ -147,8 +158,7 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     engine = make_engine("torch", out, pad_id=pad_id, model=model, max_batch_size=cfg.rollout.max_batch_size)
     eval_tasks = [t for e in cfg.envs for t in envs[e.name].sample_tasks("test", max(1, sft.eval_size // len(envs)),
                                                                         sft.seed + 1)]
-    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            max_tokens=cfg.rollout.max_tokens, seed=sft.seed)
+    params = SamplingParams.of(cfg.rollout, seed=sft.seed)
 
     # --- 4. SFT until a minority of held-out problems is solved at the rollout temperature
     history = []

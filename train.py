@@ -14,32 +14,26 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
-  4. push + gate   the new weights go to the engine (an in-process torch engine reads the learner's own parameters
-                   when it can: nothing to push), which then continues a few trajectories while the learner
-                   scores the same tokens: their log-probs must agree (rollout.py's weight-sync gate) or the run stops.
+  4. push + gate   the new weights go to the engine (or it reads the learner's own parameters: shares_engine_model),
+                   then the weight-sync gate (rollout.py): engine and learner must agree on a few continuations.
   5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
 Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
 episode (a multi-turn episode is one "response" with the observations masked out; algo.credit=turn credits
-each turn with its own return instead); batches without signal are
-skipped, not stepped with a zero gradient.
+each turn with its own return instead); batches without signal are skipped, not stepped with a zero gradient.
 
-Who does what: a rollout source plays the episodes, the agent loop in this process (agent.LocalRollouts) or Ray
-workers (cluster.RayRollouts), and the loop talks to both the same way. rollout.async_rollouts samples later batches
-while the learner trains on this one, up to rollout.max_staleness updates ahead, optionally swapping new weights into
-generations in flight (rollout.partial_rollouts; Prefetcher has the schedule). Under torchrun every rank runs this
-main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of the update (learner.py, point 4).
+Who does what: a rollout source plays the episodes (agent.LocalRollouts), a schedule says when each step's batch is
+sampled and when weights are pushed (SyncSchedule). Wings answer the same calls, reached by name (rollout.wing) when
+the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora. Under torchrun every
+rank runs this main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of the update.
 Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
-Outputs in runs/<run_name>/: config.yaml (resolved), metrics.jsonl (one JSON object per step),
-episodes_step<N>.jsonl (held-out episodes), curves.png, checkpoints/step_<N>/, final/, wandb/ (offline by default).
-Shapes: B episodes in a batch, T tokens, G group size.
+Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B episodes, T tokens, G group size.
 """
 import argparse
 import copy
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -48,22 +42,20 @@ from tqdm import tqdm
 
 import algos
 from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
-from cluster import launch_on_ray, start_ray_rollouts
-from config import Config, check_file, check_paths, config_exit, engine_options, load_config
+from config import Config, config_exit, engine_options, learner_configs, load_config
 from env import make_env, mix_seed, sample_mixture
-from eval import dump_episodes, evaluate, heldout_tasks
-from learner import (Critic, LearnerState, TrainBatch, ValueBatch, apply_lora, barrier, broadcast_object,
-                     cleanup_distributed, compute_logprobs, compute_values, critic_step, get_world_size,
-                     infer_kept_sizes, init_distributed, is_main,
-                     load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
+from eval import heldout_tasks, run_eval
+from learner import (Critic, LearnerState, TrainBatch, ValueBatch, broadcast_object, cleanup_distributed,
+                     compute_logprobs, compute_values, critic_step, get_world_size, infer_kept_sizes, init_distributed,
+                     is_main, load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
                      train_step, truncated_score)
-from model import load_model, train_flops
-from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe
-from runs import (Logger, checkpoint_step, finish_run, load_pending, peak_flops, peak_memory_gib, resolve_resume,
+from model import load_model
+from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe, wing
+from runs import (Logger, PerfMeter, check_file, check_paths, checkpoint_step, finish_run, resolve_resume,
                   save_run_checkpoint, write_config)
+from sft import model_folder
 
-# What each random draw of a step is for: its seed is mix_seed(run seed, step, purpose[, refill round]).
-SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3
+SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3   # a step's draws: mix_seed(seed, step, purpose[, round])
 
 
 # -----------------------------------------------------------------------------
@@ -71,14 +63,12 @@ SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3
 
 def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list, dict]:
     """prompts_per_step groups of n_samples episodes -> (trajectories group-major, rollout/* and dispatch/* metrics).
-
-    With algo.dynamic_sampling (DAPO), groups whose rewards are all equal carry no group-advantage signal: they
-    are dropped and more prompts are sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
+    With algo.dynamic_sampling (DAPO), groups whose rewards are all equal (no group-advantage signal) are dropped and
+    more prompts sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.agent.n_samples
     # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
-    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            max_tokens=cfg.rollout.max_tokens)
-    kept: list = []
+    params = SamplingParams.of(cfg.rollout)
+    informative: list = []                           # groups kept for the batch
     for r in range(1 + (cfg.algo.max_refill_rounds if cfg.algo.dynamic_sampling else 0)):
         tasks = sample_mixture(envs, [(e.name, e.weight) for e in cfg.envs], "train", want,
                                mix_seed(cfg.seed, step, SEED_TASKS, r))
@@ -86,100 +76,44 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
                                                 judge_weight=cfg.rollout.judge_weight)
         groups = [trajs[i:i + G] for i in range(0, len(trajs), G)]                     # group-major
         mixed = mixed_groups(trajs, G) if cfg.algo.dynamic_sampling else [True] * len(groups)
-        kept += [g for g, m in zip(groups, mixed) if m]
-        if len(kept) >= want:
+        informative += [g for g, is_mixed in zip(groups, mixed) if is_mixed]
+        if len(informative) >= want:
             break
-    if not kept:                                     # nothing informative: keep the last round, skip_uniform decides
-        kept = groups
-    trajs = [t for g in kept[:want] for t in g]
+    if not informative:                              # nothing informative: keep the last round, skip_uniform decides
+        informative = groups
+    trajs = [t for g in informative[:want] for t in g]
     return trajs, {**rollout_metrics(trajs, G), "rollout/rounds": r + 1, **dispatch_metrics}
 
 
-class Prefetcher:
-    """Where each step's batch comes from, and from which weights (a batch's `version`: the updates they had seen).
+class SyncSchedule:
+    """When each step's batch is sampled and when weights are pushed, the reference way: batch s is sampled when step
+    s begins, from the weights after update s-1; an update is pushed before the next batch is sampled.
+    async_rollouts.AsyncSchedule answers the same calls with batches sampled ahead (rollout.async_rollouts)."""
+    overlaps = False         # the engine idles during the update, so it may sleep (on a GPU the learner gets its memory)
 
-    Synchronous (rollout.async_rollouts off): sampled when step s begins, from the weights after update s-1.
-    Async, k = rollout.max_staleness: a background thread samples the batches in step order, one at a time, and
-    batch s comes from the weights after update v(s) = max(0, s-1-k): it is trained min(k, s-1) updates late,
-    corrected by learner.off_policy. take(s) hands the learner batch s and releases batch s+k (its weights, after
-    update s-1, are in the engine by then), so up to k batches are queued or being sampled while the learner trains.
-      partial_rollouts off: the engine holds one version at a time, so before update s is pushed, wait() lets every
-        batch released so far finish; batch s then comes entirely from v(s) and a run repeats exactly (its seeds
-        are mix_seed(seed, s, ...), its weights fixed by the schedule). k = 1 is the one-step async of before; k > 1
-        adds staleness but no overlap (each push waits for the batch in flight).
-      partial_rollouts on: the push does not wait: the engine applies it at the next token boundary of the
-        generation in flight (rollout.TorchEngine), whose later tokens carry the new version. Every token of batch s
-        still comes from weights of version >= v(s) (staleness <= k), the learner waits only for batch s itself,
-        and the engine runs up to k batches ahead. Which token gets which version depends on timing.
-    Every sampled token records its version (the engine's with partial rollouts, else the schedule's, stamped here):
-    rollout/staleness and rollout/staleness_max are the mean and the max over sampled tokens of (the learner's
-    version - the token's). A batch over the bound (possible only when a resumed run's queue was sampled under a
-    larger max_staleness) is dropped and sampled again from the current weights (rollout/stale_dropped). pending()
-    is the queue a checkpoint saves, so a resumed run continues it."""
-
-    def __init__(self, collect, steps: int, enabled: bool, max_staleness: int = 1, partial: bool = False,
-                 pending: dict | None = None):
-        self.collect, self.steps, self.k, self.partial = collect, steps, max_staleness, partial   # collect(step)
-        self.pool = ThreadPoolExecutor(max_workers=1) if enabled else None
-        self.ready = dict(pending or {})    # step -> (trajectories, metrics, seconds, version): sampled, not taken
-        self.futures = {}                   # step -> the Future of the same, released to the background thread
-        self.waited = 0.0                   # seconds the learner waited for the background thread this step
-
-    def _sample(self, step: int, version: int) -> tuple:
-        t0 = time.time()
-        trajs, metrics = self.collect(step)
-        if not self.partial:                # the engine held `version` throughout
-            for t in trajs:
-                t.versions = [version if m else -1 for m in t.loss_mask]
-        return trajs, metrics, time.time() - t0, version
-
-    def _result(self, step: int):
-        t0 = time.time()
-        self.ready[step] = self.futures.pop(step).result()
-        self.waited += time.time() - t0
+    def __init__(self, collect):
+        self.collect = collect                       # collect(step) -> (trajectories, metrics)
 
     def take(self, step: int) -> tuple[list, dict, float]:
-        """This step's (trajectories, metrics, the engine's seconds for them); in async mode it then releases batch
-        step + k, from the weights as they are now (after update step - 1)."""
-        self.waited = 0.0
-        if step in self.futures:
-            self._result(step)
-        trajs, metrics, seconds, _ = self.ready.pop(step) if step in self.ready else self._sample(step, step - 1)
-        stale = staleness_metrics(trajs, step - 1)
-        if stale["rollout/staleness_max"] > (self.k if self.pool is not None else 0):
-            trajs, metrics, seconds, _ = self._sample(step, step - 1)
-            stale = {**staleness_metrics(trajs, step - 1), "rollout/stale_dropped": 1.0}
-        if self.pool is not None:
-            for s in range(step + 1, min(step + self.k, self.steps) + 1):
-                if s not in self.ready and s not in self.futures:
-                    self.futures[s] = self.pool.submit(self._sample, s, max(0, s - 1 - self.k))
-        return trajs, {**metrics, **stale}, seconds
+        """This step's (trajectories, metrics, the engine's seconds for them)."""
+        t0 = time.time()
+        trajs, metrics = self.collect(step)
+        return trajs, metrics, time.time() - t0
 
-    def wait(self, step: int) -> dict:
-        """Before the push of update `step`: without partial rollouts, block until every released batch is sampled
-        (they need the older weights) -> the seconds the learner waited for the background thread, this step."""
-        if not self.partial:
-            for s in sorted(self.futures):
-                self._result(s)
-        return {"perf/rollout_wait_seconds": self.waited} if self.waited or self.futures or self.ready else {}
+    def before_push(self, step: int) -> dict:        # nothing is sampling: nothing to wait for
+        return {}
 
-    def pending(self) -> dict | None:
-        """The queue a checkpoint saves: every released batch, sampled (a batch in flight is waited for)."""
-        for s in sorted(self.futures):
-            self._result(s)
-        return dict(self.ready) or None
+    def pushes(self, updated: bool) -> bool:         # after an update
+        return updated
 
-    def shutdown(self):
-        if self.pool is not None:
-            self.pool.shutdown()
+    def push(self, rollouts, weights: dict, step: int) -> dict:
+        return rollouts.update_weights(weights)
 
+    def pending(self) -> None:                       # batches sampled ahead, which a checkpoint saves: none
+        return None
 
-def staleness_metrics(trajs: list, learner_version: int) -> dict:
-    """rollout/staleness (mean) and rollout/staleness_max over every sampled token of the batch: updates between the
-    weights that sampled it and the learner's (Trajectory.versions)."""
-    lags = [learner_version - v for t in trajs for v, m in zip(t.versions, t.loss_mask) if m]
-    return {"rollout/staleness": sum(lags) / len(lags) if lags else 0.0,
-            "rollout/staleness_max": float(max(lags, default=0))}
+    def shutdown(self):                              # no thread to stop
+        pass
 
 
 # -----------------------------------------------------------------------------
@@ -196,12 +130,12 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
     # top-k / top-p: the policy is scored on the truncated sets it sampled from (vLLM's sizes are inferred here);
     # the reference and the teacher stay on the full vocabulary (learner.py, "scoring")
-    kept = None                                                                    # (B, T) set sizes
+    set_sizes = None                                                               # (B, T)
     if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):
-        kept = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,
+        set_sizes = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,
                                 lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
                                 lc.max_tokens_per_micro_batch)
-    trunc = {} if kept is None else dict(score=truncated_score, score_args=kept)
+    trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes)
     ref = None
     if lc.kl_coef > 0:
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
@@ -250,7 +184,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
     return (TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref, old_from_update=old is None,
-                       kept_sizes=kept),
+                       kept_sizes=set_sizes),
             values, metrics, informative)
 
 
@@ -266,7 +200,7 @@ def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float
 
 
 # -----------------------------------------------------------------------------
-# 4. push + gate, and 5. eval (logs and checkpoints: runs.py)
+# 4. push + gate (5. eval: eval.run_eval; logs and checkpoints: runs.py)
 
 def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, step: int) -> dict:
     """The weight-sync gate, after a push: rank 0's engine continues the longest trajectory of a few groups by
@@ -275,8 +209,8 @@ def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, 
     probe = None
     if is_main():
         longest = sorted(trajs[::cfg.rollout.agent.n_samples], key=lambda t: len(t.token_ids), reverse=True)
-        params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.sync_check_tokens,
-                                seed=mix_seed(cfg.seed, step, SEED_SYNC_PROBE))
+        params = SamplingParams.of(cfg.rollout, top_p=1.0, top_k=0, max_tokens=cfg.rollout.sync_check_tokens,
+                                   seed=mix_seed(cfg.seed, step, SEED_SYNC_PROBE))
         probe = sync_probe(rollouts, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
     prompts, gens, temperature = broadcast_object(probe)
     threshold = cfg.rollout.sync_max_logprob_diff
@@ -285,42 +219,16 @@ def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, 
     return {"sync/logprob_abs_diff": assert_synced(gap, threshold, len(gens))}
 
 
-def run_eval(cfg: Config, rollouts, eval_tasks: dict, run_dir: str, step: int) -> dict:
-    """eval.n_samples episodes per held-out task (greedy unless eval_temperature) -> the eval/... metrics (pass@k
-    among them); the episodes dumped to episodes_step<step>.jsonl."""
-    params = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            max_tokens=cfg.rollout.max_tokens, seed=cfg.eval_seed)
-    t0 = time.time()
-    metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,
-                              tuple(cfg.eval.pass_k))
-    dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
-    return {**metrics, "perf/eval_seconds": time.time() - t0}
-
-
 # -----------------------------------------------------------------------------
-# building the learner and the rollout source
+# building the learner, the rollout source and the schedule
 
-def model_folder(cfg: Config) -> str:
-    """model.path, or the embedded default model: rank 0 builds it (sft.py) or finds it cached, then the others."""
-    if cfg.model.path != "default":
-        return cfg.model.path
-    from sft import build_default_model          # another entry point: imported only when it has work to do
-    if is_main():
-        build_default_model(cfg)
-    barrier()
-    return build_default_model(cfg)
-
-
-def build_learner(cfg: Config, model_dir: str, resume: str
+def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_cfg
                   ) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
     """-> (the policy's learner state, PPO's critic or None, the model of an in-process torch engine or None). The
-    reference, the critic and the engine start from the base model; LoRA wraps only the policy, and sharding
-    (torchrun) happens after. A resumed run's states are loaded from `resume`. The engine's model is the policy's
-    own module when shares_engine_model(cfg) (no copy, no push: the engine reads the learner's parameters), else
-    a plain copy that each update is pushed into."""
+    reference, the critic and the engine start from the base model; LoRA wraps only the policy, sharding (torchrun)
+    comes after, and a resumed run's states are loaded from `resume`. The engine's model: shares_engine_model."""
     model = load_model(model_dir, dtype=getattr(torch, cfg.model.dtype))
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
-    learner_cfg, critic_cfg = learner_configs(cfg)
     critic = None
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
         critic = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
@@ -328,7 +236,8 @@ def build_learner(cfg: Config, model_dir: str, resume: str
     engine_model = (model if shares_engine_model(cfg) else copy.deepcopy(model).eval()) if in_process else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
-        apply_lora(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
+        wing("lora.apply_lora")(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets),
+                                seed=cfg.seed)
     model = shard_model(model, learner_cfg)           # one process: unsharded, on the GPU if there is one
     ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
     if engine_model is not None:                      # where the learner computes: rank 0's GPU, or the CPU
@@ -363,23 +272,25 @@ def build_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
     return shard_model(teacher, cfg.learner)
 
 
-def learner_configs(cfg: Config) -> tuple:
-    """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
-    policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
-    return policy, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
-
-
 def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_model, weights: dict | None):
-    """Rank 0's rollout source: Ray workers (ray.rollout_workers), else the agent loop around an engine built here.
-    Either keeps its own copy of the weights, `weights` pushed first when the learner is not the base model (a
-    resumed run; LoRA's merged weights), then after every update; or reads the learner's (shares_engine_model)."""
+    """Rank 0's rollout source: Ray workers (ray.rollout_workers, cluster.py), else the agent loop around an engine
+    built here; `weights` pushed first when the learner is not the base model (a resumed run; LoRA's merged weights)."""
     if cfg.ray.rollout_workers:
-        return start_ray_rollouts(cfg, model_dir, envs, engine_options(cfg), weights)
+        return wing("cluster.start_ray_rollouts")(cfg, model_dir, envs, engine_options(cfg), weights)
     engine = make_engine(cfg.rollout.engine, model_dir, pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          model=engine_model, **engine_options(cfg))
     if weights is not None:
         engine.update_weights(weights)
     return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
+
+
+def build_schedule(cfg: Config, rollouts, envs: dict, start: int, resume: str):
+    """SyncSchedule, or with rollout.async_rollouts the async wing's schedule (every rank builds it; rank 0 samples)."""
+    def collect(step):
+        return collect_rollouts(cfg, rollouts, envs, step)
+    if cfg.rollout.async_rollouts:
+        return wing("async_rollouts.AsyncSchedule").from_config(cfg, collect, rollouts, start, resume, is_main())
+    return SyncSchedule(collect)
 
 
 # -----------------------------------------------------------------------------
@@ -400,31 +311,22 @@ def main(cfg: Config) -> dict:
     run_dir = write_config(cfg) if is_main() else os.path.join(cfg.out_dir, cfg.run_name)
 
     # --- build: model, tokenizer, learner; on rank 0 the envs, the rollout source and the held-out tasks
-    model_dir = model_folder(cfg)
+    model_dir = model_folder(cfg)                 # model.path, or the embedded default (sft.py builds it)
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     pad_id = tokenizer.token_to_id("<|endoftext|>")
-    policy, critic, engine_model = build_learner(cfg, model_dir, resume)
-    shared = shares_engine_model(cfg)                # the engine reads the policy's parameters: nothing to push
-    weights = merged_state_dict(policy.model) if (resume or cfg.learner.lora_rank) and not shared else None
-
-
+    learner_cfg, critic_cfg = learner_configs(cfg)   # the policy's and the critic's
+    policy, critic, engine_model = build_learner(cfg, model_dir, resume, learner_cfg, critic_cfg)
+    shared = shares_engine_model(cfg)             # the engine reads the policy's parameters: nothing to push
     teacher = build_teacher(cfg, tokenizer)       # None unless on-policy distillation
     weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
     rollouts = envs = eval_tasks = None
     if is_main():
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
-        rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model, weights)
+        rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model, None if shared else weights)
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
-    learner_cfg, critic_cfg = learner_configs(cfg)
-    learner_device = next(policy.model.parameters()).device
-    peak = peak_flops(learner_device, cfg.peak_flops)                 # perf/mfu's denominator, per process
+    perf = PerfMeter(next(policy.model.parameters()).device, cfg.peak_flops, world)    # perf/mfu, perf/peak_memory_gib
     logger = Logger(run_dir, cfg, resume_step=start if resume else None, enabled=is_main())  # logs cut back to start
-    pending = load_pending(resume) if resume and cfg.rollout.async_rollouts else None
-    if cfg.rollout.partial_rollouts and is_main():
-        rollouts.engine.version = start           # the engine numbers its weights by RL step, as the schedule does
-    prefetch = Prefetcher(lambda step: collect_rollouts(cfg, rollouts, envs, step), cfg.steps,
-                          cfg.rollout.async_rollouts and is_main(), cfg.rollout.max_staleness,
-                          cfg.rollout.partial_rollouts, pending)
+    schedule = build_schedule(cfg, rollouts, envs, start, resume)
     if start == 0 and is_main():
         m = logger.log(0, run_eval(cfg, rollouts, eval_tasks, run_dir, 0))
         print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
@@ -434,44 +336,37 @@ def main(cfg: Config) -> dict:
                disable=not is_main())
     for step in bar:
         t0 = time.time()
-        # 1. rollouts: rank 0 plays them (or takes the batch prefetched during the last update); every rank gets it
-        trajs, metrics, t_rollout = prefetch.take(step) if is_main() else ([], {}, 0.0)
+        # 1. rollouts: rank 0 plays them (or takes the batch the schedule sampled ahead); every rank gets the batch
+        trajs, metrics, t_rollout = schedule.take(step) if is_main() else ([], {}, 0.0)
         batch = broadcast_object(to_batch(trajs, pad_id) if is_main() else None)
         t_rollout = t_rollout if is_main() else time.time() - t0
 
-        # 2. advantages, 3. update (the engine asleep: on a GPU its memory is the learner's meanwhile; in async mode
-        #    it is sampling the next batch instead)
+        # 2. advantages, 3. update (the engine asleep: on a GPU its memory is the learner's meanwhile)
         t1 = time.time()
-        train_batch, value_batch, m, informative = compute_advantages(cfg, batch, policy, critic, teacher)
-        metrics.update(m)
-        if is_main() and prefetch.pool is None:
+        train_batch, value_batch, adv_metrics, informative = compute_advantages(cfg, batch, policy, critic, teacher)
+        metrics.update(adv_metrics)
+        if is_main() and not schedule.overlaps:
             rollouts.sleep()
         updated = informative or not cfg.algo.skip_uniform_batches
         if updated:
-            policy, m = train_step(policy, train_batch, learner_cfg)
-            metrics.update(m)
+            policy, update_metrics = train_step(policy, train_batch, learner_cfg)
+            metrics.update(update_metrics)
             if critic is not None:
-                critic, m = critic_step(critic, value_batch, critic_cfg, cfg.algo.value_clip)
-                metrics.update(m)
-        if not shared and (updated or cfg.rollout.partial_rollouts):
-            weights = merged_state_dict(policy.model)      # every rank joins the gather onto rank 0 (LoRA merged in)
+                critic, critic_metrics = critic_step(critic, value_batch, critic_cfg, cfg.algo.value_clip)
+                metrics.update(critic_metrics)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
-        if updated:   # model FLOPs of the update (every epoch) over its time and the peak of the devices that ran it
-            flops = train_flops(policy.model, batch.lengths) * learner_cfg.ppo_epochs
-            metrics["perf/mfu"] = flops / max(t_train, 1e-9) / (peak * world)
-        metrics["perf/peak_memory_gib"] = peak_memory_gib(learner_device)
-        if is_main():
-            metrics.update(prefetch.wait(step))    # the next batch must be sampled before the push changes weights
+        metrics.update(perf.measure(policy.model, batch.lengths, learner_cfg.ppo_epochs, t_train, updated))
 
-        # 4. push the new weights to the engine, then the weight-sync gate
+        # 4. push the new weights to the engine (the schedule says when), then the weight-sync gate
         t2 = time.time()
         if is_main():
+            metrics.update(schedule.before_push(step))
             rollouts.wake_up()
-            if cfg.rollout.partial_rollouts:      # every step (skipped or not): tokens from here on are version `step`
-                metrics.update(rollouts.update_weights(weights, version=step))
-            elif updated and not shared:
-                metrics.update(rollouts.update_weights(weights))
+        if not shared and schedule.pushes(updated):
+            weights = merged_state_dict(policy.model)      # every rank joins the gather onto rank 0 (LoRA merged in)
+            if is_main():
+                metrics.update(schedule.push(rollouts, weights, step))
         if cfg.rollout.sync_check_samples:
             metrics.update(check_weight_sync(cfg, rollouts, policy, trajs, step))
         metrics.update({"perf/sync_seconds": time.time() - t2, "perf/rollout_seconds": t_rollout,
@@ -489,11 +384,11 @@ def main(cfg: Config) -> dict:
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_run_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"), cfg, model_dir, policy, critic,
-                                step, prefetch.pending())
+                                step, schedule.pending())
 
     # --- the end: final checkpoint, curves, summary
     save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic, max(start, cfg.steps))
-    prefetch.shutdown()
+    schedule.shutdown()
     logger.finish()
     summary = {"run_dir": run_dir}
     if is_main():
@@ -520,6 +415,6 @@ def cli(argv=None) -> Config:
 if __name__ == "__main__":
     cfg = cli()
     if cfg.ray.learner_workers:
-        launch_on_ray(cfg, main)
+        wing("cluster.launch_on_ray")(cfg, main)
     else:
         main(cfg)

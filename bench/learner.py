@@ -27,7 +27,8 @@ def worker(args) -> None:
     """One measurement (in a subprocess; under torchrun on every rank). Rank 0 prints one JSON line."""
     import torch
     from config import SFTConfig
-    from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, compute_logprobs,
+    from lora import apply_lora
+    from learner import (LearnerConfig, TrainBatch, cleanup_distributed, compute_logprobs,
                          get_world_size, init_distributed, is_main, make_learner, old_logprobs_needed, shard_model,
                          train_step)
     from model import ModelConfig, init_model

@@ -35,6 +35,7 @@ from config import load_config  # noqa: E402
 from env import make_env  # noqa: E402
 from eval import heldout_tasks  # noqa: E402
 from model import ModelConfig, init_model, load_model, save_model  # noqa: E402
+from prefix_cache import PrefixCachedEngine  # noqa: E402
 from rollout import SamplingParams, TorchEngine  # noqa: E402
 from sft import build_default_model, train_tokenizer, write_tokenizer_files  # noqa: E402
 
@@ -69,7 +70,7 @@ def bench_config(path: str, args) -> list[str]:
     model = load_model(model_dir).eval()
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     sources = {"full prefill": LocalRollouts(TorchEngine(model, pad_id), envs, tokenizer, agent_cfg),
-               "prefix cache": LocalRollouts(TorchEngine(model, pad_id, prefix_cache_tokens=args.cache_tokens),
+               "prefix cache": LocalRollouts(PrefixCachedEngine(model, pad_id=pad_id, prefix_cache_tokens=args.cache_tokens),
                                              envs, tokenizer, agent_cfg)}
     seconds = {name: [] for name in sources}
     played = {}

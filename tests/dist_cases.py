@@ -12,9 +12,10 @@ import sys
 
 import torch
 
-from learner import (LearnerConfig, TrainBatch, apply_lora, cleanup_distributed, compute_logprobs, full_state_dict,
+from learner import (LearnerConfig, TrainBatch, cleanup_distributed, compute_logprobs, full_state_dict,
                      get_world_size, init_distributed, is_main, make_learner, merged_state_dict, shard_model, sft_step,
                      train_step)
+from lora import apply_lora
 from model import ModelConfig, init_model
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

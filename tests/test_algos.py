@@ -465,16 +465,16 @@ def test_overlong_penalty():
 
 # ----------------------------------------------------------------------------- truncated importance sampling
 
-def test_truncated_is_weights_hand_computed():
+def test_token_tis_weights_hand_computed():
     old = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9), NAN]], dtype=f64)
     mu = torch.tensor([[math.log(0.5), math.log(0.4), math.log(0.1), INF]], dtype=f64)   # the engine's
     mask = torch.tensor([[1.0, 1, 1, 0]])
-    w, m = algos.truncated_is_weights(old, mu, mask, cap=2.0)
+    w, m = off_policy_weights(old, mu, mask, OffPolicyConfig(kind="tis", level="token", tis_cap=2.0))
     close(w, [[1.0, 0.5, 2.0, 0.0]])                     # 0.9/0.1 = 9 truncated to the cap; garbage masked out
-    close(m["tis_weight_mean"], 3.5 / 3)
-    close(m["tis_clip_frac"], 1 / 3)
+    close(m["offpolicy_weight_mean"], 3.5 / 3)
+    close(m["offpolicy_clip_frac"], 1 / 3)
     r = torch.tensor([1.0, 0.5, 9.0], dtype=f64)          # k3 of KL(mu || pi_old): mean of (r - 1) - log r
-    close(m["behaviour_kl"], ((r - 1) - r.log()).mean())
+    close(m["mismatch_kl_k3"], ((r - 1) - r.log()).mean())
     assert not w.requires_grad
 
 
@@ -848,18 +848,6 @@ def test_off_policy_weights_hand_computed(kind, level, cfg_kw, expected, clip, t
     close(m["mismatch_kl_k1"], (-r.log()).mean(), rtol=1e-12)
     close(m["mismatch_kl_k3"], (r - 1 - r.log()).mean(), rtol=1e-12)
     assert not w.requires_grad and all(v.dim() == 0 for v in m.values())
-
-
-def test_off_policy_token_tis_equals_truncated_is_weights():
-    g = torch.Generator().manual_seed(14)
-    old = torch.randn(4, 6, generator=g, dtype=f64)
-    mu = old + 0.5 * torch.randn(4, 6, generator=g, dtype=f64)
-    mask = (torch.rand(4, 6, generator=g) < 0.7).long()
-    w, m = off_policy_weights(old, mu, mask, OffPolicyConfig(kind="tis", level="token", tis_cap=1.5))
-    w_ref, m_ref = algos.truncated_is_weights(old, mu, mask, cap=1.5)
-    assert torch.equal(w, w_ref)              # the same ops: learner.off_policy.kind=tis replays the old tis_cap runs
-    close(m["offpolicy_clip_frac"], m_ref["tis_clip_frac"], rtol=1e-14)
-    close(m["mismatch_kl_k3"], m_ref["behaviour_kl"], rtol=1e-12)
 
 
 def test_mismatch_kl_estimates_are_unbiased():

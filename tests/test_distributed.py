@@ -20,6 +20,8 @@ from test_train import tiny  # noqa: E402,F401  (the session's tiny default mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytestmark = pytest.mark.slow
+
 
 def torchrun(args: list[str], timeout: int = 180) -> str:
     """`torchrun --nproc_per_node 2 ARGS` from the repo root with this checkout first on the path."""

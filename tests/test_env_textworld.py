@@ -177,6 +177,7 @@ def _resources() -> dict:
             "fds": len(os.listdir(f"/proc/{pid}/fd")), "children": children, "frotz": frotz}
 
 
+@pytest.mark.slow
 def test_no_leak_after_200_episodes(cache, held, tw):
     """200 episodes, 8 at a time interleaved (as a rollout batch steps them) over 4 games through a pool of 3: at
     most 3 interpreters loaded meanwhile, and after close() nothing is left that was not there before."""

@@ -111,6 +111,7 @@ def same_records(run_dir: str, reference: str, steps: list[int]):
         assert all(k.startswith("eval/") for k in set(ours[step]) - set(ref[step])), step
 
 
+@pytest.mark.slow
 def test_ray_job_submit_with_learner_actors_matches_torchrun(tiny, reference, ray_head):
     """`ray job submit -- python train.py ... ray.learner_workers=2` on a `ray start --head` cluster: the job
     succeeds, and its two learner actors (ranks 0 and 1, gloo) log what torchrun's 2 processes logged, step by
@@ -128,6 +129,7 @@ def test_ray_job_submit_with_learner_actors_matches_torchrun(tiny, reference, ra
     assert json.load(open(os.path.join(run_dir, "summary.json")))["final_accuracy"] is not None
 
 
+@pytest.mark.slow
 def test_a_failing_learner_actor_is_named(tiny, ray_head):
     """Joining the cluster at ray.address, every rank raises at once (a config main() refuses): the driver stops
     with the rank and the cause, and kills the other actors."""
@@ -139,6 +141,7 @@ def test_a_failing_learner_actor_is_named(tiny, ray_head):
         launch_on_ray(tiny("rollout.engine=openai", f"ray.address={gcs}", "ray.learner_workers=2"), main)
 
 
+@pytest.mark.slow
 def test_bundles_the_cluster_cannot_place_are_a_clear_error(tiny, ray_head, monkeypatch):
     """A GPU per learner on a CPU-only cluster: the placement group never becomes ready, and the driver says why
     instead of waiting forever (PLACEMENT_TIMEOUT_S shortened from 300 s)."""
@@ -169,6 +172,7 @@ def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
         launch_on_ray(tiny("ray.learner_workers=2"), main)
 
 
+@pytest.mark.slow
 def test_resume_under_torchrun_is_exact(tiny, reference):
     """Resumed from checkpoints/step_2 under torchrun, steps 3-4 log what the uninterrupted run logged, and the
     final weights are bit-identical: the checkpoint holds everything a rank needs (weights, optimizer, RNG)."""

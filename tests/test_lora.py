@@ -10,8 +10,8 @@ import torch
 
 from conftest import need
 
-from learner import (LearnerConfig, LoRALinear, apply_lora, load_adapter, load_checkpoint, make_learner,
-                     merged_state_dict, save_adapter, save_checkpoint, sft_step)
+from learner import LearnerConfig, load_checkpoint, make_learner, merged_state_dict, save_checkpoint, sft_step
+from lora import LoRALinear, apply_lora, load_adapter, save_adapter
 from model import Transformer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -143,6 +143,7 @@ def test_lora_checkpoint_resume(tmp_path):
         assert torch.equal(x, y), k
 
 
+@pytest.mark.slow
 def test_lora_trains_the_same_under_torchrun(tmp_path):
     one, two = run_case("lora", tmp_path)
     assert two["world_size"] == 2

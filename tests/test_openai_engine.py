@@ -28,7 +28,8 @@ import torch
 from agent import AgentConfig, run_episodes
 from conftest import need
 from model import ModelConfig, init_model, load_model, save_model
-from rollout import OpenAIEngine, SamplingParams, TorchEngine, make_engine, row_seeds
+from engine_openai import OpenAIEngine
+from rollout import SamplingParams, TorchEngine, make_engine, row_seeds
 from sft import write_tokenizer_files
 from test_agent import CalcEnv, calc_task, tok  # noqa: F401 (tok is a fixture)
 
@@ -113,6 +114,7 @@ def engine():
 
 
 @pytest.mark.parametrize("mode", ["ids", "legacy", "drop_stop"])
+@pytest.mark.slow
 def test_same_tokens_and_logprobs_as_the_engine_behind_it(engine, mode):
     server = FakeServer(engine, mode)
     try:
@@ -148,6 +150,7 @@ def test_same_tokens_and_logprobs_as_the_engine_behind_it(engine, mode):
         server.close()
 
 
+@pytest.mark.slow
 def test_agent_trajectories_are_token_exact_across_engines(tok):
     model = tiny_model(tok.get_vocab_size(), seed=3)
     torch_engine = TorchEngine(model, PAD)
@@ -167,6 +170,7 @@ def test_agent_trajectories_are_token_exact_across_engines(tok):
         server.close()
 
 
+@pytest.mark.slow
 def test_retries_server_errors_and_reports_client_errors(engine):
     server = FakeServer(engine, fail_first=2, status=503)
     try:
@@ -311,6 +315,7 @@ def served(tok, tmp_path_factory):
         stop_server(proc)
 
 
+@pytest.mark.slow
 def test_real_vllm_serve_plays_the_torch_engines_trajectories(served, tok):
     folder, url = served
     tasks, cfg, params = CALC_TASKS, AgentConfig(n_samples=2, max_turns=3, max_total_tokens=400), GREEDY
@@ -328,6 +333,7 @@ def test_real_vllm_serve_plays_the_torch_engines_trajectories(served, tok):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_eval_py_against_a_real_vllm_serve(served, tmp_path):
     """The command a user runs against a served model, with pass@k: the same episodes and metrics as eval.py with
     the torch engine on the same folder."""

@@ -85,6 +85,7 @@ def in_process(model_dir, ts, seed, chunk_groups, agent=AGENT, step_many=None, e
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_workers_play_what_run_episodes_plays(cluster):
     ts = tasks(4)
     trajs, stats = dispatch("async_batch", cluster["workers"], ts, PARAMS, seed=7, chunk_groups=2)
@@ -95,6 +96,7 @@ def test_workers_play_what_run_episodes_plays(cluster):
     assert all(b > 0 for b in stats.busy_seconds) and 0 <= stats.idle_fraction < 1
 
 
+@pytest.mark.slow
 def test_dispatchers_give_identical_trajectories(cluster):
     ts, w, ew = tasks(5, seed=1), cluster["workers"], cluster["env_workers"]
     ref, s_all = dispatch("async_batch", w, ts, PARAMS, seed=3)
@@ -111,6 +113,7 @@ def test_dispatchers_give_identical_trajectories(cluster):
     assert {k.split("/")[0] for k in s_piped.metrics()} == {"dispatch"}
 
 
+@pytest.mark.slow
 def test_push_weights_makes_workers_run_the_learners_weights(cluster):
     from model import load_model
     model_dir, w = cluster["model_dir"], cluster["workers"]
@@ -146,6 +149,7 @@ def test_numpy_weights_round_trip_bfloat16_too():
         assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
 
 
+@pytest.mark.slow
 def test_env_pool_steps_equal_in_process_steps_errors_included(cluster):
     model_dir, ts = cluster["model_dir"], tasks(3, seed=2)
     bad_prompt = ts[1].prompt
@@ -171,6 +175,7 @@ def test_env_pool_steps_equal_in_process_steps_errors_included(cluster):
     assert errors[0].info == {"error": "RuntimeError: the grader crashed"} and errors[0].reward == 0.0
 
 
+@pytest.mark.slow
 def test_train_py_with_ray_rollout_workers(cluster, tiny):
     """2 steps with 2 more rollout workers on the module's cluster (train.py joins a running Ray)."""
     from train import main
@@ -205,6 +210,7 @@ def test_bad_config_is_a_config_error():
         dispatch("async_batched", [object()], tasks(1), PARAMS, 0)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_a_clear_error(cluster):
     """Last: it kills a worker of the module's cluster."""
     ray.kill(cluster["workers"][1])

@@ -32,6 +32,7 @@ def tiny(tmp_path_factory):
                                                                        f"out_dir={root}/runs", *extra])
 
 
+@pytest.mark.slow
 def test_main_smoke(tiny):
     cfg = tiny("steps=3", "eval_every=2", "run_name=smoke", "wandb=true")
     summary = main(cfg)
@@ -55,6 +56,7 @@ def test_main_smoke(tiny):
     assert os.path.isdir(os.path.join(run, "wandb"))
 
 
+@pytest.mark.slow
 def test_top_k_top_p_run_trains_what_it_samples(tiny):
     """rollout.top_p / top_k end to end: the engine records each token's kept set, the learner scores the same
     truncated distribution, so pi_old agrees with the engine's log-probs (mismatch KL < 1e-8, as on-policy runs
@@ -81,6 +83,7 @@ RESUME_CASES = {"one_update": [], "mini_batches": ["learner.mini_batches=2", "le
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
+@pytest.mark.slow
 def test_resume_is_exact(tiny, case):
     """Resumed from checkpoints/step_2 into the same run folder, the run continues at RL step 3 (not at the
     optimizer step, which runs ahead with mini-batches and epochs), logs steps 3-4 exactly as the uninterrupted
@@ -101,6 +104,7 @@ def test_resume_is_exact(tiny, case):
     assert any(not torch.equal(a[k], start[k]) for k in a)                          # steps 3-4 did train
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_the_latest_complete_checkpoint(tiny):
     """resume=auto with nothing to resume starts fresh; after a kill it continues from the newest complete
     checkpoint (a half-written folder, or one without its marker, is passed over), cuts metrics.jsonl back to that
@@ -126,6 +130,7 @@ def test_resume_auto_continues_the_latest_complete_checkpoint(tiny):
         main(tiny(*extra[:-1], "steps=4", f"resume={run}/checkpoints/step_4.partial"))
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_removes_old_ones_after_the_new_one(tiny):
     run = main(tiny("steps=3", "eval_every=100", "checkpoint_every=1", "keep_checkpoints=2", "run_name=keep"))
     assert sorted(os.listdir(os.path.join(run["run_dir"], "checkpoints"))) == ["step_2", "step_3"]
@@ -133,6 +138,7 @@ def test_keep_checkpoints_removes_old_ones_after_the_new_one(tiny):
 
 @pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "sapo", "cispo", "gmpo", "reinforce_pp",
                                   "reinforce_pp_baseline", "ppo"])
+@pytest.mark.slow
 def test_every_algorithm_runs_in_the_loop(tiny, algo):
     """algo.name selects the whole algorithm; each one makes real updates in main() (the learning itself
     is measured by bench/algos.py)."""
@@ -147,6 +153,7 @@ def test_every_algorithm_runs_in_the_loop(tiny, algo):
         assert all(l["rollout/rounds"] >= 1 for l in lines[1:])
 
 
+@pytest.mark.slow
 def test_turn_credit_in_the_loop(tiny):
     """algo.credit=turn trains through main() on multi-turn toy math (tool call, then answer)."""
     summary = main(tiny("steps=2", "eval_every=100", "run_name=turn_credit", "algo.credit=turn",
@@ -174,7 +181,7 @@ def test_turn_credit_broadcasts_each_turns_advantage():
                          rewards=rewards, turn_rewards=torch.tensor([[0.5, 1.0], [0.0, 0.0]]),
                          turn_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]), turn_index=turn_index,
                          turn_states=torch.tensor([[7, 8], [7, -1]]),
-                         group_ids=torch.zeros(2, dtype=torch.long), lengths=torch.tensor([5, 4]))
+                         lengths=torch.tensor([5, 4]))
     # returns (gamma 1): ep 0 [1.5, 1], ep 1 [0]; baselines: ep 0 [0, none -> 0], ep 1 [1.5]
     torch.testing.assert_close(turn_credit(batch, rewards, 2, 1.0, "position"),
                                torch.tensor([[0, 1.5, 1.5, 0, 1.0], [0, -1.5, -1.5, -1.5, 0]]))
@@ -199,7 +206,7 @@ def test_turn_credit_state_baseline_matches_states_across_positions():
                          logprobs=torch.zeros(2, 2), rewards=torch.tensor([1.0, 1.0]),
                          turn_rewards=torch.tensor([[0.0, 1.0], [1.0, 0.0]]), turn_mask=torch.ones(2, 2),
                          turn_index=turn_index, turn_states=torch.tensor([[10, 11], [11, 12]]),
-                         group_ids=torch.zeros(2, dtype=torch.long), lengths=torch.tensor([2, 2]))
+                         lengths=torch.tensor([2, 2]))
     # returns: ep 0 [1, 1], ep 1 [1, 0]. State B (ep 0 turn 1, ep 1 turn 0): each other's return, 1 and 1.
     # A and C were visited once: the position baseline, the other episode's return at that turn (1, then 1).
     torch.testing.assert_close(turn_credit(batch, batch.rewards, 2, 1.0, "state"),
@@ -209,6 +216,7 @@ def test_turn_credit_state_baseline_matches_states_across_positions():
                                torch.tensor([[0.0, 1.0], [0.0, -1.0]]))
 
 
+@pytest.mark.slow
 def test_on_policy_distillation(tiny):
     """algo.teacher_path: a teacher (here a run's final policy, moved away from the start by one step of a strong
     entropy bonus: the tiny model's rewards are all 0) scores the student's samples; algo.name=distill trains on
@@ -223,6 +231,7 @@ def test_on_policy_distillation(tiny):
         tiny("algo.name=distill")
 
 
+@pytest.mark.slow
 def test_kl_in_reward_and_in_loss(tiny):
     for extra in (["learner.kl_coef=0.1"], ["learner.kl_coef=0.1", "algo.kl_in_reward=true"]):
         summary = main(tiny("steps=1", "eval_every=100", "run_name=kl", "learner.entropy_coef=0.01", *extra))
@@ -232,6 +241,7 @@ def test_kl_in_reward_and_in_loss(tiny):
         assert line["perf/old_logprob_pass"] == float("algo.kl_in_reward=true" in extra)  # the reward's KL reads pi_old
 
 
+@pytest.mark.slow
 def test_eval_cli_on_a_checkpoint(tiny, tmp_path):
     import eval as eval_py
     summary = main(tiny("steps=1", "eval_every=100", "run_name=for_eval"))
@@ -255,6 +265,7 @@ def check_pass_at_k(metrics: dict, prefix: str, n: int, ks: tuple):
     assert metrics[f"{prefix}pass@1"] == pytest.approx(metrics[f"{prefix}mean@{n}"]) == metrics[f"{prefix}accuracy"]
 
 
+@pytest.mark.slow
 def test_pass_at_k_through_train_and_eval(tiny, tmp_path, capsys):
     """eval.n_samples=4 eval.pass_k=[1,2,4]: train.py's evals and eval.py play 4 sampled episodes per held-out task
     and report pass@k; eval.py on the final checkpoint repeats the run's last eval exactly."""
@@ -283,6 +294,7 @@ def test_pass_at_k_through_train_and_eval(tiny, tmp_path, capsys):
     assert "random/toy_math/pass@2" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_async_one_step_off_policy_and_its_exact_resume(tiny):
     """rollout.async_rollouts: each batch after the first was sampled by the weights one update old
     (rollout/staleness 1), the update corrects with truncated IS, and a run resumed from a checkpoint (which
@@ -314,43 +326,7 @@ ASYNC = ["eval_every=100", "rollout.async_rollouts=true", "learner.off_policy.ki
          "learner.off_policy.tis_cap=2.0", "learner.entropy_coef=0.01"]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_prefetcher_schedule_samples_batch_s_from_version_s_minus_1_minus_k(k):
-    """The loop's calls on a Prefetcher whose collect records the engine's version when it runs (partial rollouts
-    off): batch s is sampled from version max(0, s-1-k) whatever the thread timing, no push happens while a batch
-    is being sampled, each batch's tokens are stamped with that version, and at most k batches are ahead."""
-    import threading
-    import time as clock
-    from types import SimpleNamespace
-    from train import Prefetcher
-    engine = {"version": 0, "sampling": False}
-    seen, lock = {}, threading.Lock()
-
-    def collect(step):
-        with lock:
-            engine["sampling"] = True
-        clock.sleep(0.01 * (step % 3))                          # uneven batch times
-        seen[step] = engine["version"]
-        with lock:
-            engine["sampling"] = False
-        return [SimpleNamespace(loss_mask=[0, 1, 1], versions=[])], {}
-
-    steps = 7
-    prefetch = Prefetcher(collect, steps, enabled=True, max_staleness=k)
-    for step in range(1, steps + 1):
-        trajs, metrics, _ = prefetch.take(step)
-        assert len(prefetch.ready) + len(prefetch.futures) <= k
-        assert trajs[0].versions == [-1] + [max(0, step - 1 - k)] * 2         # stamped on the sampled tokens
-        assert metrics["rollout/staleness"] == metrics["rollout/staleness_max"] == min(k, step - 1)
-        clock.sleep(0.005)                                      # the update
-        prefetch.wait(step)
-        with lock:
-            assert not engine["sampling"]                       # the push never lands mid-batch
-            engine["version"] = step                            # the push
-    prefetch.shutdown()
-    assert seen == {s: max(0, s - 1 - k) for s in range(1, steps + 1)}
-
-
+@pytest.mark.slow
 def test_bounded_staleness_schedule_queue_and_exact_resume(tiny):
     """rollout.max_staleness=2: batch s comes from the weights after update max(0, s-3) (staleness 0, 1, 2, 2, ...
     on every token), the checkpoint after step 2 holds the queue (batches 3 and 4, sampled from the base weights and
@@ -397,6 +373,7 @@ def test_a_pending_batch_of_before_max_staleness_still_resumes(tmp_path):
     assert queue[7][0][0].versions == [-1, 5, 5, -1]
 
 
+@pytest.mark.slow
 def test_partial_rollouts_stay_within_the_bound_and_log_their_versions(tiny):
     """rollout.partial_rollouts: the push never waits for the batch in flight, so which token gets which version
     depends on timing (not asserted); what holds is asserted: every token is within the bound, and every queued
@@ -405,7 +382,7 @@ def test_partial_rollouts_stay_within_the_bound_and_log_their_versions(tiny):
     from model import load_model
     from rollout import default_sync_threshold
     from runs import load_pending
-    from train import model_folder
+    from sft import model_folder
     cfg = tiny(*ASYNC, "steps=4", "rollout.max_staleness=2", "rollout.partial_rollouts=true", "checkpoint_every=1",
                "run_name=partial")
     run = main(cfg)["run_dir"]
@@ -447,6 +424,7 @@ def test_peak_flops_override_table_and_measured():
     assert peak_memory_gib(cpu) > 0.05                                 # this process holds torch: > 50 MiB
 
 
+@pytest.mark.slow
 def test_in_process_torch_engine_shares_the_learners_parameters_only_when_it_can(tiny):
     """One process, no LoRA, no async rollouts: the engine's model is the policy's module (no copy, no push; the
     smoke and resume tests run this way and the weight-sync gate checks it); otherwise a copy that is pushed into."""
