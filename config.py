@@ -14,7 +14,6 @@ Imports: the files whose dataclasses it assembles (agent.py, learner.py) and the
 """
 import dataclasses
 import difflib
-import os
 import sys
 import types
 import typing

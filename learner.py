@@ -21,11 +21,11 @@ How one RL update works (train.py says where the batch and its old log-probs com
      FSDP2 sums the ranks' gradients. The weights of point 3 are shares of the *global* mini-batch's
      normaliser, so 1 process and N processes, with any micro-batch size, give the same gradient.
 
-Sections: config and state; distributed (init, FSDP2 sharding, full state dicts); scoring; the RL update;
+Sections: config and state; scoring; the RL update;
 the critic; SFT; the weights an engine loads; checkpoints. LoRA is a wing (lora.py), reached through two hooks: a
 module's fold_into (merged_state_dict) and a model's adapter (save_checkpoint, load_checkpoint).
 Shapes: B sequences, T tokens.
-Imports: model.py (the network, save/load) and algos.py (the losses) only.
+Imports: model.py (the network, save/load), algos.py (the losses) and distributed.py (torchrun, FSDP2) only.
 """
 import copy
 import glob
@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 import algos
+from distributed import FULL_STATE, all_reduce_, full_state_dict, get_rank, get_world_size, is_main, is_sharded
 from model import Transformer, save_model
 
 
@@ -142,134 +142,10 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
     return cfg.lr
 
 
-# -----------------------------------------------------------------------------
-# distributed: process group helpers, FSDP2 sharding, full state dicts
-#
-# `python train.py` is one process and none of this does anything. Under `torchrun --nproc_per_node N`
-# every rank builds the same model and calls the same learner functions on the same global batch; the
-# learner splits rows across ranks (file docstring, point 4). Every forward and backward of a sharded
-# model is a collective (parameters are all-gathered per layer), so every rank must run the same number
-# of them: `_rank_micro_batches` pads a rank that has fewer rows with zero-weight micro-batches.
-
-def init_distributed() -> tuple[int, int]:
-    """Join torchrun's process group (RANK, WORLD_SIZE, MASTER_ADDR... in the environment) or stay a single
-    process. gloo on CPU, NCCL on GPUs (one GPU per rank: LOCAL_RANK). -> (rank, world size)"""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl")
-        else:
-            dist.init_process_group("gloo")
-    return get_rank(), get_world_size()
-
-
-def cleanup_distributed() -> None:
-    """Leave the process group (a no-op in one process). Every rank calls it at the end of an entry point."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def barrier() -> None:
-    """Wait for every rank (a no-op in one process): e.g. until rank 0 has built a shared file."""
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def get_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def get_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def is_main() -> bool:
-    """Rank 0: the only rank that logs, evaluates and writes files."""
-    return get_rank() == 0
-
-
-def _on_gpu() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "nccl"
-
-
-def all_reduce_(t: torch.Tensor, op=None) -> torch.Tensor:
-    """In-place all_reduce (default SUM) of a CPU tensor; NCCL only reduces GPU tensors, so it goes there and back."""
-    if get_world_size() == 1:
-        return t
-    op = dist.ReduceOp.SUM if op is None else op
-    if _on_gpu():
-        g = t.cuda()
-        dist.all_reduce(g, op=op)
-        t.copy_(g.cpu())
-    else:
-        dist.all_reduce(t, op=op)
-    return t
-
-
-def broadcast_object(obj, src: int = 0):
-    """Rank src's Python object on every rank (pickled): the rollout batch that rank 0 generated."""
-    if get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, device=torch.device("cuda", torch.cuda.current_device())
-                               if _on_gpu() else None)
-    return box[0]
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
-def shard_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
-    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), written out: each decoder
-    layer is its own unit (its parameters are all-gathered just before it runs and freed after), then the
-    root takes what is left (embeddings, final norm, lm_head; a Critic's value head). In one process the
-    model comes back unsharded. On GPUs the model moves to this rank's GPU and, with cfg.mixed_precision,
-    computes in bf16 while gradients are reduced in fp32 (the fp32 master weights stay sharded). A single process
-    with a GPU gets the model moved there, unsharded."""
-    if get_world_size() == 1:
-        return model.to(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else model
-    mp = MixedPrecisionPolicy()                               # CPU: compute in the parameters' own dtype
-    if _on_gpu():
-        model.to(torch.device("cuda", torch.cuda.current_device()))
-        if cfg.mixed_precision:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    decoder = model.backbone if isinstance(model, Critic) else model
-    for layer in decoder.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if hasattr(model, "token_logprobs"):
-        # FSDP2 hooks forward() only; the learner enters through token_logprobs, so hook that too
-        register_fsdp_forward_method(model, "token_logprobs")
-    # Our micro-batch weights already make the per-rank losses sum to the global loss: sum the gradients,
-    # do not average them (FSDP's default divides by the world size). Plain SUM collectives: gloo has no
-    # pre-multiplied sum. Each fully_shard unit keeps its own setting, so set it on all of them.
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
-    return model
-
-
 def _device(model: torch.nn.Module) -> torch.device:
     """Where the model computes (the CPU except under torchrun on GPUs); batches stay on the CPU until used."""
     p = next(model.parameters())
     return p.device
-
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model as plain tensors with their Hugging Face names (LoRA adapters included as
-    `<module>.lora_A`/`.lora_B`; see merged_state_dict for the engine's view). Sharded: every rank must call
-    it (it all-gathers); rank 0 gets the dict on the CPU, the others an empty dict. One process: the live
-    state_dict (no copy, as before)."""
-    if not is_sharded(model):
-        return model.state_dict()
-    sd = get_model_state_dict(model, options=_FULL)
-    return sd if is_main() else {}
 
 
 # -----------------------------------------------------------------------------
@@ -629,7 +505,7 @@ def save_checkpoint(state: LearnerState, path: str, extra: dict | None = None, b
         sd = {}
     else:
         sd = full_state_dict(model)
-    optim = get_optimizer_state_dict(model, state.optimizer, options=_FULL)
+    optim = get_optimizer_state_dict(model, state.optimizer, options=FULL_STATE)
     if not is_main():
         return
     os.makedirs(path, exist_ok=True)

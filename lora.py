@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from learner import is_main, is_sharded
+from distributed import is_main, is_sharded
 
 
 # LoRA, written out (Hu et al. 2021, https://arxiv.org/abs/2106.09685)

@@ -33,8 +33,9 @@ import time
 import torch
 import yaml
 
+from distributed import barrier, is_main
 from env import env_class
-from learner import LearnerState, barrier, is_main, save_checkpoint, save_merged
+from learner import LearnerState, save_checkpoint, save_merged
 from model import safetensors_files, train_flops
 from plot import save_curves
 

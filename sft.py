@@ -34,8 +34,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from agent import pad_right, run_episodes
 from chat import encode, render
+from distributed import barrier, is_main
 from env import make_env
-from learner import LearnerConfig, barrier, is_main, make_learner, sft_step
+from learner import LearnerConfig, make_learner, sft_step
 from model import ModelConfig, init_model, save_model
 from rollout import SamplingParams, make_engine
 

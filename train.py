@@ -34,7 +34,6 @@ import argparse
 import copy
 import os
 import time
-from dataclasses import replace
 
 import torch
 from tokenizers import Tokenizer
@@ -43,11 +42,11 @@ from tqdm import tqdm
 import algos
 from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
 from config import Config, config_exit, engine_options, learner_configs, load_config
+from distributed import broadcast_object, cleanup_distributed, get_world_size, init_distributed, is_main, shard_model
 from env import make_env, mix_seed, sample_mixture
 from eval import heldout_tasks, run_eval
-from learner import (Critic, LearnerState, TrainBatch, ValueBatch, broadcast_object, cleanup_distributed,
-                     compute_logprobs, compute_values, critic_step, get_world_size, infer_kept_sizes, init_distributed,
-                     is_main, load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed, shard_model,
+from learner import (Critic, LearnerState, TrainBatch, ValueBatch, compute_logprobs, compute_values, critic_step,
+                     infer_kept_sizes, load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed,
                      train_step, truncated_score)
 from model import load_model
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe, wing

@@ -28,9 +28,8 @@ def worker(args) -> None:
     import torch
     from config import SFTConfig
     from lora import apply_lora
-    from learner import (LearnerConfig, TrainBatch, cleanup_distributed, compute_logprobs,
-                         get_world_size, init_distributed, is_main, make_learner, old_logprobs_needed, shard_model,
-                         train_step)
+    from distributed import cleanup_distributed, get_world_size, init_distributed, is_main, shard_model
+    from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, old_logprobs_needed, train_step
     from model import ModelConfig, init_model
 
     torch.set_num_threads(args.threads)

@@ -12,9 +12,8 @@ import sys
 
 import torch
 
-from learner import (LearnerConfig, TrainBatch, cleanup_distributed, compute_logprobs, full_state_dict,
-                     get_world_size, init_distributed, is_main, make_learner, merged_state_dict, shard_model, sft_step,
-                     train_step)
+from distributed import cleanup_distributed, full_state_dict, get_world_size, init_distributed, is_main, shard_model
+from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, merged_state_dict, sft_step, train_step
 from lora import apply_lora
 from model import ModelConfig, init_model
 

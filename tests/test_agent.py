@@ -679,7 +679,6 @@ def test_prefix_cache_keeps_trajectories_and_prefills_only_new_tokens(tok, tempe
     as LocalRollouts reports them."""
     from model import ModelConfig, init_model
     from prefix_cache import PrefixCachedEngine
-    from rollout import TorchEngine
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     model = init_model(cfg, 0)

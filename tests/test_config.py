@@ -1,8 +1,6 @@
 """Config tree: YAML + overrides fill it, typos and wrong types fail loudly with a hint; the paths a config names are
 checked by the entry points (train.cli, eval.main), which end on bad input with one line and exit status 2."""
 import glob
-import json
-import os
 import subprocess
 import sys
 

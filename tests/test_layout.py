@@ -15,8 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the core, bottom to top: a core file imports only core files listed before it
-CORE = ["model", "algos", "plot", "sandbox", "env", "chat", "agent", "rollout", "learner", "config", "runs", "eval",
-        "sft", "train"]
+CORE = ["model", "algos", "plot", "distributed", "sandbox", "env", "chat", "agent", "rollout", "learner", "config",
+        "runs", "eval", "sft", "train"]
 WINGS = ["engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "cluster"]
 WORLDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "env_*.py")))
 CONFIG_IMPORTS = {"agent", "learner",          # the dataclasses config.Config assembles (AgentConfig, LearnerConfig)
