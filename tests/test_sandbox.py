@@ -1,4 +1,4 @@
-"""Tests for the python_exec sandbox (env.execute_python / env.run_python): one test per threat class.
+"""Tests for the python_exec sandbox (sandbox.execute_python / sandbox.run_python): one test per threat class.
 
 Each test proves the effect did not happen, from outside the sandbox: a canary environment variable and
 a canary file whose secret must not appear in the output, marker files that must not exist, sockets

