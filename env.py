@@ -1,4 +1,4 @@
-"""env.py: environments for tool-using LLM agents: tasks, tools, two Python sandboxes, rewards.
+"""env.py: environments for tool-using LLM agents: tasks, rewards, the Env base class and its registry.
 
 An environment is a small state machine in the functional style of gym / purejaxrl:
 
@@ -13,28 +13,25 @@ Env object serves any number of episodes at once. The agent loop, not the env, e
 
 Contents, top to bottom:
   1. Types that cross the file boundary: ToolCall, Action, Task, EnvState.
-  (The two Python sandboxes behind python_eval and python_exec live in sandbox.py.)
-  2. Tools: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas: python_eval,
-     python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
-  3. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
+  (The tools live in tools.py: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas:
+  python_eval, python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
+  The two Python sandboxes behind python_eval and python_exec live in sandbox.py.)
+  2. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
      free text).
-  4. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
-     `@register_env`, `make_env` (and `env_class`: the class alone), and what the worlds share: `sample_distinct`
-     (a split's distinct tasks), `replay` and `replay_commands` (an expert's actions played into a demonstration),
-     `read_jsonl` (the JSON-lines files they read).
-  5. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
+  3. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
+     `@register_env`, `make_env` (and `env_class`: the class alone), and `sample_distinct` (a split's distinct
+     tasks). What only the worlds share (`replay` and `replay_commands`: an expert's actions played into a
+     demonstration; `read_jsonl`: the JSON-lines files they read; tasks as a dataset on disk) lives in worlds.py.
+  4. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 
 POSIX only (the sandbox uses process groups and resource limits).
+
+Imports: sandbox.py, tools.py.
 """
 import ast
-import gzip
 import hashlib
 import importlib
-import io
-import json
-import math
-import os
 import random
 import re
 import threading
@@ -42,9 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-# The two sandboxes behind python_eval and python_exec; the worlds that run programs (env_code.py, and env_humaneval.py
-# through env_code's grading) use execute_python, ExecLimits and PLAIN_COPIER_SRC through env.py.
-from sandbox import PLAIN_COPIER_SRC, SANDBOX, ExecLimits, execute_python, parse_python  # noqa: F401 (for the worlds)
+from sandbox import parse_python
+from tools import TOOLS, validate_arguments
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,195 +113,9 @@ def assistant_message(content: str, tool_calls: list[ToolCall] = ()) -> dict:
 
 
 
-# ----------------------------------------------------------------------------------------------------
-# 2. Tools
-
-@dataclass(frozen=True)
-class Tool:
-    """A callable the model can name. `fn(env, state, **arguments) -> (state, text, error_kind | None)`.
-
-    The env is passed so tools can use env resources (a search index, a simulated world); the state so a
-    tool can change the episode (finish sets done). Error kinds: "unknown_tool", "bad_args" (from dispatch),
-    "refused", "error", "timeout" (from the tool).
-    """
-    name: str
-    description: str   # keep it to a few words: the schemas are rendered into every prompt
-    parameters: dict   # JSON schema of the arguments object
-    fn: Callable
-    bounded: bool = False  # True: fn returns within env.tool_timeout by itself (it kills its own child
-                           # process, or cannot block), so Env.run_tool calls it directly, not in a watchdog thread
-
-    def schema(self) -> dict:
-        """The OpenAI-style function schema."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
-
-
-TOOLS: dict[str, Tool] = {}  # filled at import by @tool (tests add and remove their own)
-
-
-def tool(name: str, description: str, parameters: dict, bounded: bool = False):
-    """Decorator: register `fn` as the tool `name` in TOOLS."""
-    def register(fn):
-        if name in TOOLS:
-            raise ValueError(f"tool {name!r} is registered twice")
-        TOOLS[name] = Tool(name, description, parameters, fn, bounded)
-        return fn
-    return register
-
-
-@tool("python_eval", "Run Python code and return the result.",
-      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, bounded=True)
-def python_eval(env, state, code):
-    """Run `code` in the shared sandbox; the state is unchanged."""
-    text, kind = SANDBOX.run(code, timeout=env.tool_timeout)
-    return state, text, kind
-
-
-@tool("python_exec", "Run a Python program in a fresh sandbox.",
-      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, bounded=True)
-def python_exec(env, state, code):
-    """Run `code` as a whole program in its own sandboxed process (execute_python); the state is unchanged."""
-    text, kind = execute_python(code, timeout_s=env.tool_timeout)
-    return state, text, kind
-
-
-@tool("finish", "Submit the final answer.",
-      {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}, bounded=True)
-def finish(env, state, answer):
-    """Record the answer and end the episode; Env.step scores it and emits no observation for it."""
-    return replace(state, done=True, answer=answer), "", None
-
-
-CALC_MAX_CHARS = 500   # longer expressions are refused before parsing
-CALC_MAX_BITS = 4096   # every intermediate numerator and denominator stays below 2**4096 (~1233 digits)
-_CALC_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-             ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: Fraction(a // b), ast.Mod: lambda a, b: a % b}
-
-
-def calculate(expression: str) -> Fraction:
-    """The exact value of an arithmetic expression: numbers, + - * / // % ** (or ^), unary minus, ().
-
-    Its own evaluator over the AST, never Python's eval, with Fractions, so 0.1 + 0.2 is exactly 3/10.
-    Bounded: CALC_MAX_CHARS of input, integer exponents, CALC_MAX_BITS per value (checked before a
-    power is computed, so 9**9**9 is refused at once). Raises ValueError or ZeroDivisionError.
-    """
-    if len(expression) > CALC_MAX_CHARS:
-        raise ValueError(f"expression longer than {CALC_MAX_CHARS} characters")
-    try:
-        tree = parse_python(expression.replace("^", "**").strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ValueError("not an arithmetic expression") from None
-
-    def small(x: Fraction) -> Fraction:
-        if max(x.numerator.bit_length(), x.denominator.bit_length()) > CALC_MAX_BITS:
-            raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
-        return x
-
-    def value(node, depth: int) -> Fraction:
-        if depth > 100:
-            raise ValueError("expression nested too deeply")
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return small(Fraction(node.value))
-        if isinstance(node, ast.Constant) and type(node.value) is float:
-            if not math.isfinite(node.value):
-                raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
-            return small(Fraction(repr(node.value)))  # a float literal as written: 0.1 is 1/10
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            x = value(node.operand, depth + 1)
-            return -x if isinstance(node.op, ast.USub) else x
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-            base, exponent = value(node.left, depth + 1), value(node.right, depth + 1)
-            if exponent.denominator != 1:
-                raise ValueError("only integer exponents are exact")
-            if abs(base) == 1:  # (+-1) ** n without computing n multiplications
-                return base ** (int(exponent) % 2)
-            size = max(base.numerator.bit_length(), base.denominator.bit_length())
-            if (size - 1) * abs(exponent) >= CALC_MAX_BITS:  # the result has more than this many bits
-                raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
-            return small(base ** int(exponent))  # at most size * |exponent| <= 2 * CALC_MAX_BITS bits
-        if isinstance(node, ast.BinOp) and type(node.op) in _CALC_OPS:
-            return small(_CALC_OPS[type(node.op)](value(node.left, depth + 1), value(node.right, depth + 1)))
-        raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
-
-    return value(tree.body, 0)
-
-
-def format_exact(x: Fraction) -> str:
-    """'84', '7/2 = 3.5' (a terminating decimal), '1/3 ≈ 0.333333333333'."""
-    if x.denominator == 1:
-        return str(x.numerator)
-    for k in range(21):  # 10**k divisible by the denominator: the decimal terminates after k digits
-        if 10 ** k % x.denominator == 0:
-            digits = str(abs(x.numerator) * 10 ** k // x.denominator).rjust(k + 1, "0")
-            return f"{x.numerator}/{x.denominator} = {'-' if x < 0 else ''}{digits[:-k]}.{digits[-k:]}"
-    try:
-        return f"{x.numerator}/{x.denominator} ≈ {float(x):.12g}"
-    except OverflowError:
-        return f"{x.numerator}/{x.denominator}"
-
-
-@tool("calculator", "Exact arithmetic: + - * / // % ** ( ).",
-      {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}, bounded=True)
-def calculator(env, state, expression):
-    """Evaluate `expression` exactly (calculate); the state is unchanged."""
-    try:
-        return state, format_exact(calculate(expression)), None
-    except ZeroDivisionError:
-        return state, "Error: division by zero", "error"
-    except ValueError as e:
-        return state, f"Error: {e}", "error"
-
-
-MAX_NOTES = 20         # notes per episode
-MAX_NOTE_CHARS = 500   # characters per note
-
-
-@tool("scratchpad", "Write a note, or read all notes.",
-      {"type": "object", "properties": {"action": {"type": "string", "enum": ["write", "read"]},
-                                        "text": {"type": "string"}}, "required": ["action"]}, bounded=True)
-def scratchpad(env, state, action, text=""):
-    """Notes that live in the episode's state (EnvState.notes): "write" appends `text`, "read" lists them."""
-    if action == "read":
-        return state, "\n".join(f"{i}. {note}" for i, note in enumerate(state.notes, 1)) or "(no notes)", None
-    if action != "write":
-        return state, f'Error: unknown action {action[:40]!r}; use "write" or "read".', "bad_args"
-    if not text.strip():
-        return state, "Error: nothing to write: give the note as \"text\".", "bad_args"
-    if len(text) > MAX_NOTE_CHARS:
-        return state, f"Error: a note holds at most {MAX_NOTE_CHARS} characters, not {len(text)}.", "error"
-    if len(state.notes) >= MAX_NOTES:
-        return state, f"Error: the scratchpad is full ({MAX_NOTES} notes).", "error"
-    return replace(state, notes=state.notes + (text,)), f"Saved note {len(state.notes) + 1}.", None
-
-
-_JSON_TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "object": dict, "array": list}
-
-
-def validate_arguments(parameters: dict, arguments) -> tuple[dict | None, str | None]:
-    """Check `arguments` against a (flat) JSON schema -> (arguments, None) or (None, what is wrong)."""
-    if not isinstance(arguments, dict):
-        return None, "arguments must be a JSON object"
-    properties = parameters.get("properties", {})
-    missing = [k for k in parameters.get("required", []) if k not in arguments]
-    unknown = [k for k in arguments if k not in properties]
-    if missing or unknown:
-        expected = ", ".join(f'"{k}": {p.get("type", "any")}' for k, p in properties.items())
-        problem = f"missing {missing}" if missing else f"unexpected {unknown}"
-        return None, f"bad arguments: {problem}; expected {{{expected}}}"
-    checked = {}
-    for key, value in arguments.items():
-        kind = properties[key].get("type")
-        if kind == "string" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = str(value)  # {"answer": 57} for {"answer": "57"} is a harmless slip; accept it
-        if kind in _JSON_TYPES and not isinstance(value, _JSON_TYPES[kind]):
-            return None, f"bad arguments: {key!r} must be a {kind}"
-        checked[key] = value
-    return checked, None
-
 
 # ----------------------------------------------------------------------------------------------------
-# 3. Answers
+# 2. Answers
 
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,4})?")    # exponent capped: 1e999999999 would hang
 _NUMBER_IN_TEXT = re.compile(r"(?<![\d.])-?\d[\d,]*(?:\.\d+)?")            # "1,234" is one number, "10-3" ends in 3
@@ -356,7 +166,7 @@ def extract_answer(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4. The Env base class and the registry
+# 3. The Env base class and the registry
 
 class Env:
     """Base class. A subclass sets `tool_names` and implements system_prompt, sample_tasks, score and
@@ -366,7 +176,7 @@ class Env:
     tool_names: tuple[str, ...] = ()   # the TOOLS this env offers, in prompt order
     tool_timeout: float = 2.0          # seconds per tool call (python_eval, python_exec; the watchdog of the others)
     file_kwargs: tuple[str, ...] = ()  # constructor kwargs that name files it reads (checked at start-up, before
-                                       # anything is built: config.check_paths)
+                                       # anything is built: runs.check_paths)
 
     def tools(self) -> list[dict]:
         return [TOOLS[n].schema() for n in self.tool_names]
@@ -604,82 +414,6 @@ def sample_mixture(envs: dict[str, "Env"], weights: list[tuple[str, float]], spl
     return tasks
 
 
-def replay(env: Env, task: Task, actions: list[Action], check: Callable[[int, EnvState, bool], None] | None = None
-           ) -> tuple[EnvState, list[dict], float, bool]:
-    """An expert's `actions` played through env.step from env.reset(task, seed=0), as the agent loop plays a model's
-    -> (the last state, the conversation, the last step's reward, done): the demonstration of a world whose expert
-    is a script (tau_lite; alfworld_lite and textworld through replay_commands).
-
-    The conversation is what the agent's transcript holds: [system, user], then each action as an assistant
-    message and its observations, except those of the step that ends the episode (the agent stops there).
-    `check(i, state, done)` runs after action i and raises if the expert went wrong there: no wrong demonstration
-    is ever trained on. RuntimeError when the episode ends with actions left."""
-    state, messages = env.reset(task, seed=0)
-    reward, done = 0.0, False
-    for i, action in enumerate(actions):
-        if done:
-            raise RuntimeError(f"the episode of {task.id} ended before the expert script did")
-        state, obs, reward, done, _ = env.step(state, action)
-        messages.append(assistant_message(action.text, list(action.tool_calls)))
-        messages += [] if done else obs
-        if check is not None:
-            check(i, state, done)
-    return state, messages, reward, done
-
-
-def replay_commands(env: Env, task: Task, tool_name: str, commands: list[str], what: str
-                    ) -> tuple[EnvState, list[dict]]:
-    """replay for a world played through one command tool (alfworld_lite's house_act, textworld's tw_act) whose
-    state counts invalid_actions -> (the last state, the conversation). RuntimeError naming the command (`what`
-    and its index): one was not admissible, or the episode did not end exactly at the last one."""
-    def check(i: int, state: EnvState, done: bool) -> None:
-        if done != (i == len(commands) - 1) or state.invalid_actions:
-            raise RuntimeError(f"{what} {i} {commands[i]!r} of {task.id}: done={done}, "
-                               f"invalid={state.invalid_actions}")
-    actions = [Action(text="", tool_calls=(ToolCall(tool_name, {"command": c}),)) for c in commands]
-    state, messages, _, _ = replay(env, task, actions, check)
-    return state, messages
-
-
-def read_jsonl(path: str | os.PathLike, data: bytes | None = None) -> list[tuple[int, dict]]:
-    """(line number, record) of each non-blank line of a JSON-lines file, gzipped or not (told by the gzip magic
-    number, not the name): every file a world reads. `data`: the file's bytes when the caller already holds them
-    (a package's resource); `path` then only names it in errors. ValueError naming the file and line: a line that
-    is not JSON, or not a JSON object."""
-    if data is None:
-        with open(path, "rb") as f:
-            data = f.read()
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
-    records = []
-    # newline=None: lines end as in a file opened as text (\n, \r\n, \r), never inside a JSON string (U+2028)
-    for number, line in enumerate(io.StringIO(data.decode("utf-8"), newline=None), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {number} is not JSON: {e.msg}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path} line {number} is a JSON {type(record).__name__}, not an object")
-        records.append((number, record))
-    return records
-
-
-def write_tasks(tasks: list[Task], path: str) -> None:
-    """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset on disk."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:   # read_jsonl reads UTF-8
-        for t in tasks:
-            f.write(json.dumps({"env": t.env, "id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta},
-                               ensure_ascii=False, sort_keys=True) + "\n")
-
-
-def read_tasks(path: str) -> list[Task]:
-    """The tasks write_tasks wrote."""
-    return [Task(**record) for _, record in read_jsonl(path)]
-
-
 # Envs that live in their own files beside this one, imported on first use (like gym's entry points):
 # env.py needs none of them, and each of them imports env.py (env_humaneval also env_code, whose grading it shares).
 ENTRY_POINTS: dict[str, str] = {"text_math": "env_math", "dataset": "env_math", "tool_use": "env_search",
@@ -707,7 +441,7 @@ def env_class(name: str) -> type[Env]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5. Toy math
+# 4. Toy math
 
 TEST_PERCENT = 10  # share of the problem space (by hash of the prompt) that is held out; fixed, so that
                    # a test problem is a test problem under every config and seed
@@ -855,19 +589,3 @@ class ToyMathEnv(Env):
         messages.append(assistant_message("", [ToolCall("finish", {"answer": task.answer})]))
         return messages
 
-
-if __name__ == "__main__":
-    # Write an env's tasks as JSON lines, deterministically from the seed:
-    #   python env.py tool_use test 500 --seed 0 --out data/tool_use_test.jsonl [--kwargs '{"hops": 2}']
-    import argparse
-    p = argparse.ArgumentParser(description="write an env's tasks as JSON lines")
-    p.add_argument("env")
-    p.add_argument("split", choices=["train", "test"])
-    p.add_argument("n", type=int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kwargs", default="{}", help="JSON object of make_env arguments")
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    import env  # the module, not this __main__ copy: envs in other files register into env.ENVS
-    env.write_tasks(env.make_env(a.env, **json.loads(a.kwargs)).sample_tasks(a.split, a.n, a.seed), a.out)
-    print(f"wrote {a.n} {a.env} {a.split} tasks to {a.out}")

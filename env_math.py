@@ -51,7 +51,7 @@ noise, else a normalized string; NOT a full MATH equivalence checker, see its do
 no tool traces, so the expert calls finish(reference) at once, with or without tools.
 write_sample_dataset writes a GSM8K-style file from the multistep generator (data/sample_gsm8k.jsonl).
 
-Imports only the standard library and env.py.
+Imports only the standard library, env.py, tools.py and worlds.py.
 """
 import hashlib
 import itertools
@@ -63,8 +63,10 @@ import string
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from env import (TOOLS, Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer,
-                 last_boxed, parse_number, read_jsonl, register_env, sample_distinct, split_of, tool_message)
+from env import (Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer, last_boxed,
+                 parse_number, register_env, sample_distinct, split_of, tool_message)
+from tools import TOOLS
+from worlds import read_jsonl
 
 # ----------------------------------------------------------------------------------------------------
 # Words, the Problem container, and \boxed{} answers (both envs)
@@ -405,7 +407,7 @@ def answers_equivalent(answer: str | None, reference: str) -> bool:
 # dataset: reading records
 
 def read_records(path: str) -> list[tuple[int, dict]]:
-    """(line number, record) of each non-blank line of a JSON-lines file (env.read_jsonl: gzipped or not), or
+    """(line number, record) of each non-blank line of a JSON-lines file (worlds.read_jsonl: gzipped or not), or
     (row number, record) of a .parquet file. ValueError: a missing or empty file, a line that is not a JSON
     object (which line)."""
     if not os.path.isfile(path):

@@ -17,7 +17,7 @@ distinct founding years, so every question below has exactly one answer.
 
 Tools: `search(query)` ranks articles with a hand-written BM25 index (numpy; class BM25) and shows the
 top 3 titles with their first sentence; `wiki(title)` returns one article (unknown titles: an error
-that suggests the closest titles); plus env.py's `calculator` and `finish`.
+that suggests the closest titles); plus tools.py's `calculator` and `finish`.
 
 Questions. A kind's `hops` is the number of tool calls the expert makes before finish:
     1 hop   city_founded  "In what year was <city> founded?"                           wiki
@@ -66,8 +66,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from env import (Action, Env, EnvState, Task, ToolCall, answers_match, assistant_message, calculate, extract_answer,
-                 format_exact, register_env, split_of, tool, tool_message)
+from env import (Action, Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer, register_env,
+                 split_of, tool_message)
+from tools import calculate, format_exact, tool
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ import random
 import re
 from dataclasses import dataclass, replace
 
-from env import (TOOLS, Action, Env, EnvState, Task, ToolCall, register_env, replay, sample_distinct, split_of,
-                 tool)
+from env import Action, Env, EnvState, Task, ToolCall, register_env, sample_distinct, split_of
+from tools import TOOLS, tool
+from worlds import replay
 
 # ----------------------------------------------------------------------------------------------------
 # The database: frozen records, one printed line each
@@ -135,7 +136,7 @@ class DB:
 
 
 def db_to_json(db: DB) -> dict:
-    """Lists and str keys only, so a task survives env.write_tasks / read_tasks unchanged."""
+    """Lists and str keys only, so a task survives worlds.write_tasks / read_tasks unchanged."""
     return {"users": [[u.user_id, u.name, u.zip, u.address] for u in db.users],
             "orders": [[o.order_id, o.user_id, o.status, [[i.item_id, i.product, i.option, i.price, i.returned]
                                                           for i in o.items]] for o in db.orders]}
@@ -569,7 +570,7 @@ class TauEnv(Env):
         return script + [say(final[kind])]
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """The expert conversation, played through reset/step (env.replay; the customer's replies are real).
+        """The expert conversation, played through reset/step (worlds.replay; the customer's replies are real).
         use_tools=False: the weaker habit self.weaker_demo (WEAKER_DEMOS). `rng` is unused: one path per intent.
         Raises if the demonstration does not earn reward 1 (with no turn limit: the one_question habit may need
         more turns than a run's max_turns allows, which is the point of it)."""

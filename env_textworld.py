@@ -50,8 +50,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from env import (Action, Env, EnvState, Task, ToolCall, register_env, replay_commands, sample_distinct, tool,
-                 tool_message)
+from env import Action, Env, EnvState, Task, ToolCall, register_env, sample_distinct, tool_message
+from tools import tool
+from worlds import replay_commands
 
 PIP_INSTALL = "pip install textworld==1.7.0"
 TEST_SEED = 1_000_000   # held-out games have seeds TEST_SEED + 0, 1, ...; train games 0, 1, ...: disjoint
@@ -383,7 +384,7 @@ class TextWorldEnv(Env):
         return answer == WON
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """TextWorld's walkthrough, played through step() (env.replay_commands); raises unless it wins. `rng` and
+        """TextWorld's walkthrough, played through step() (worlds.replay_commands); raises unless it wins. `rng` and
         `use_tools` are unused: the walkthrough is the one expert path."""
         state, messages = replay_commands(self, task, "tw_act", task.meta["walkthrough"], "walkthrough command")
         if state.answer != WON:

@@ -63,7 +63,8 @@ import random
 import re
 from dataclasses import dataclass, field, replace
 
-from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, split_of, tool, tool_message
+from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, split_of, tool_message
+from tools import tool
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""sandbox.py: the two ways env.py runs model-written Python, and what each one promises.
+"""sandbox.py: the two ways model-written Python runs (the python_eval and python_exec tools), and what each promises.
 
 Model-written code is hostile input. Two sandboxes, for two jobs:
   1. python_eval (`check_code`, `PythonSandbox`, the shared `SANDBOX`): a calculator. A static AST check
@@ -11,7 +11,7 @@ Model-written code is hostile input. Two sandboxes, for two jobs:
 Both return short text (results, or "Error: ..."); nothing raises into the agent loop. Neither is a
 security boundary against a determined attacker (see each section, and the README's "The sandbox").
 
-Imports only the standard library; env.py registers these as tools. POSIX only (process groups,
+Imports only the standard library; tools.py registers these as tools. POSIX only (process groups,
 resource limits). The child processes run functions of this file sent as source (inspect.getsource),
 so this file must be present as .py at run time.
 """

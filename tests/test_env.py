@@ -19,11 +19,12 @@ import pytest
 
 import env
 import sandbox
+import tools
 from fractions import Fraction
 
-from env import (ENVS, TOOLS, Action, EnvState, Task, ToolCall, ToyMathEnv, calculate, extract_answer, format_exact,
-                 last_boxed, make_env, parse_number)
+from env import ENVS, Action, EnvState, Task, ToolCall, ToyMathEnv, extract_answer, last_boxed, make_env, parse_number
 from sandbox import SANDBOX, PythonSandbox, check_code
+from tools import TOOLS, calculate, format_exact
 
 ARITHMETIC = re.compile(r"[\d\s()+\-*/]+")  # what a canonical toy-math expression may contain
 
@@ -394,10 +395,10 @@ def test_scratchpad_notes_live_in_the_state():
                                ({"action": "write", "text": "x" * 501}, "at most 500"), ({}, "missing")]:
         s, obs, reward, done, info = tools_env.step(state, action(("scratchpad", arguments)))
         assert problem in obs[0]["content"] and info["tool_errors"] == 1 and s.notes == state.notes
-    for i in range(env.MAX_NOTES - 2):
+    for i in range(tools.MAX_NOTES - 2):
         state, *_ = call(tools_env, state, "scratchpad", action="write", text=f"note {i}")
     state, obs, reward, done, info = call(tools_env, state, "scratchpad", action="write", text="one too many")
-    assert "full" in obs[0]["content"] and len(state.notes) == env.MAX_NOTES and info["tool_errors"] == 1
+    assert "full" in obs[0]["content"] and len(state.notes) == tools.MAX_NOTES and info["tool_errors"] == 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def broken_tool():
             return "just text"
         return state, "fine", None
 
-    env.tool("broken", "A tool with bugs (tests only).",
+    tools.tool("broken", "A tool with bugs (tests only).",
              {"type": "object", "properties": {"how": {"type": "string"}}, "required": ["how"]})(broken)
     try:
         yield

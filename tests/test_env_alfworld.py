@@ -14,8 +14,10 @@ import rollout
 
 import env_alfworld as alf
 from config import load_config
-from env import TOOLS, Action, ToolCall, make_env, read_tasks, write_tasks
+from env import Action, ToolCall, make_env
 from eval import play_scripted, scripted_metrics
+from tools import TOOLS
+from worlds import read_tasks, write_tasks
 
 DEVICES = ["fridge 1", "microwave 1", "sinkbasin 1", "desklamp 1"]
 

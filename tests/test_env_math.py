@@ -16,12 +16,13 @@ import sys
 
 import pytest
 
-import env
 import env_math
 from config import load_config
-from env import Action, Task, ToolCall, calculate, make_env, split_of
+from env import Action, Task, ToolCall, make_env, split_of
 from env_math import answers_equivalent, extract_reference, to_number
 from eval import play_scripted
+from tools import calculate
+from worlds import read_tasks, write_tasks
 
 from conftest import need
 
@@ -214,8 +215,8 @@ def test_sample_tasks_deterministic_distinct_and_splits_disjoint(hard):
 
 def test_tasks_survive_json_lines(hard, tmp_path):
     tasks = hard.sample_tasks("test", 30, seed=0)
-    env.write_tasks(tasks, str(tmp_path / "t.jsonl"))
-    assert env.read_tasks(str(tmp_path / "t.jsonl")) == tasks
+    write_tasks(tasks, str(tmp_path / "t.jsonl"))
+    assert read_tasks(str(tmp_path / "t.jsonl")) == tasks
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ import pytest
 
 import env
 from config import load_config
-from env import Action, ToolCall, make_env, read_tasks, split_of, validate_arguments, write_tasks
+from env import Action, ToolCall, make_env, split_of
 from env_search import BM25, KINDS, TEMPLATE_WORDS, TEST_PERCENT, tokenize
 from eval import play_scripted, scripted_metrics
+from tools import validate_arguments
+from worlds import read_tasks, write_tasks
 
 CONFIG = load_config("configs/tool_use.yaml")
 

@@ -14,9 +14,10 @@ import pytest
 import env
 import env_webshop as ws
 from chat import make_action, render
-from env import Action, Task, ToolCall, make_env, read_tasks, split_of, write_tasks
+from env import Action, Task, ToolCall, make_env, split_of
 from env_webshop import Product, View, search, shop_reward
 from eval import play_scripted, scripted_metrics
+from worlds import read_tasks, write_tasks
 
 SIZES = (("size", ("S", "M", "L")),)
 HAND = (  # id, category, color, material, price, rating, options

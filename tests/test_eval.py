@@ -14,10 +14,11 @@ import pytest
 import env as env_module
 from agent import AgentConfig, LocalRollouts, run_episodes
 from rollout import SamplingParams
-from env import make_env, mix_seed, read_tasks, write_tasks
+from env import make_env, mix_seed
 from eval import (episode_success, evaluate, expert_actions, pass_at_k, pass_metrics, play_scripted,
                   scripted_metrics)
 from test_agent import CalcEnv, CalcState, ScriptedEngine, calc_task, call_text, tok  # noqa: F401 (tok: a fixture)
+from worlds import read_tasks, write_tasks
 
 
 class JudgedCalcEnv(CalcEnv):
