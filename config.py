@@ -55,10 +55,8 @@ class RolloutConfig:
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
     temperature: float = 1.0         # sampling temperature (the learner scores at the same temperature)
     top_p: float = 1.0               # nucleus sampling mass, in (0, 1] (1: off)
-    top_k: int = 0                   # sample among the top_k most likely tokens only (0: off); top-k, then top-p. With
-                                     # either on, every sampled token records the size of the set it was drawn from
-                                     # and the learner scores that truncated, renormalised distribution (so the
-                                     # on-policy ratio is 1): see the top-k / top-p section of learner.py
+    top_k: int = 0                   # sample among the top_k most likely tokens only (0: off); top-k, then top-p.
+                                     # The learner scores what was sampled: learner.py, section "scoring"
     max_tokens: int = 96             # new tokens per assistant turn at most
     max_batch_size: int = 256        # sequences the engine decodes at once
     prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many token positions between
@@ -76,17 +74,11 @@ class RolloutConfig:
                                      # rounding alone reaches ~0.15 on CPU, so only gross mismatches are caught there
     judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
                                      # envs that have a judge (tau_lite); held-out evals never use it
-    async_rollouts: bool = False     # one-step off-policy: the engine generates step k+1's batch (with the weights
-                                     # before update k) while the learner trains on batch k; needs learner.off_policy
-                                     # (tis or mis) to correct for it (rollout/staleness: how old each batch's policy
-                                     # is)
+    async_rollouts: bool = False     # sample later batches while the learner trains on this one (async_rollouts.py,
+                                     # AsyncSchedule has the schedule); needs learner.off_policy (tis or mis)
     max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
-                                     # (k): step s's batch is sampled from the weights after update max(0, s-1-k), up
-                                     # to k batches queued (async_rollouts.AsyncSchedule); 1 = the one-step async above
-    partial_rollouts: bool = False   # async_rollouts, torch engine in this process: a push that arrives during a
-                                     # generation is applied at its next token boundary (keys and values recomputed)
-                                     # instead of waiting for the batch to finish; each token records the version
-                                     # that sampled it. Faster, not reproducible run to run (it depends on timing)
+    partial_rollouts: bool = False   # async_rollouts, torch engine in this process: pushes land mid-generation, at
+                                     # the next token boundary. Faster, not reproducible run to run (timing)
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
