@@ -30,20 +30,19 @@ from runs import load_pending
 class AsyncSchedule:
     """Where each step's batch comes from, and from which weights (a batch's `version`: the updates they had seen).
 
-    Synchronous (rollout.async_rollouts off): sampled when step s begins, from the weights after update s-1.
+    Synchronous runs (train.SyncSchedule): sampled when step s begins, from the weights after update s-1.
     Async, k = rollout.max_staleness: a background thread samples the batches in step order, one at a time, and
     batch s comes from the weights after update v(s) = max(0, s-1-k): it is trained min(k, s-1) updates late,
     corrected by learner.off_policy. take(s) hands the learner batch s and releases batch s+k (its weights, after
     update s-1, are in the engine by then), so up to k batches are queued or being sampled while the learner trains.
-      partial_rollouts off: the engine holds one version at a time, so before update s is pushed, wait() lets every
-        batch released so far finish; batch s then comes entirely from v(s) and a run repeats exactly (its seeds
+      partial_rollouts off: the engine holds one version at a time, so before update s is pushed, before_push() lets
+        every batch released so far finish; batch s then comes entirely from v(s) and a run repeats exactly (its seeds
         are mix_seed(seed, s, ...), its weights fixed by the schedule). k = 1 is the one-step async of before; k > 1
         adds staleness but no overlap (each push waits for the batch in flight).
       partial_rollouts on: the push does not wait: the engine applies it at the next token boundary of the
         generation in flight (ConcurrentEngine), whose later tokens carry the new version. Every token of batch s
         still comes from weights of version >= v(s) (staleness <= k), the learner waits only for batch s itself,
         and the engine runs up to k batches ahead. Which token gets which version depends on timing.
-    Synchronous runs use train.SyncSchedule instead, the k = 0 of this schedule without a thread.
     Every sampled token records its version (the engine's with partial rollouts, else the schedule's, stamped here):
     rollout/staleness and rollout/staleness_max are the mean and the max over sampled tokens of (the learner's
     version - the token's). A batch over the bound (possible only when a resumed run's queue was sampled under a

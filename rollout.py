@@ -138,7 +138,8 @@ def weight_buckets(state_dict: dict, bucket_bytes: int, dtype: torch.dtype | Non
                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """A state dict in buckets of about bucket_bytes (a bigger tensor is a bucket of its own), each cast to
     `dtype` only when it is reached. A consumer that takes one bucket at a time never holds a second full copy
-    of the model: engine_vllm.VLLMEngine streams them into vLLM; across processes each bucket is one object-store put."""
+    of the model: engine_vllm.VLLMEngine streams them into vLLM; across processes each bucket is one object-store
+    put."""
     def cast(bucket):
         return [(name, t.detach().to(dtype or t.dtype).contiguous()) for name, t in bucket]
     bucket, size = [], 0
@@ -174,9 +175,7 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         rows = [p for p in prompts for _ in range(params.n)]  # prompt-major: n samples of prompt 0, then 1, ...
         device = next(self.model.parameters()).device
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(params.seed)
+        generator = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
         was_training = self.model.training
         self.model.eval()
         try:
@@ -322,7 +321,8 @@ def make_engine(kind: str, model_dir: str, *, pad_id: int, model: Transformer | 
     cls = TorchEngine
     if on:                    # e.g. ConcurrentEngine(PrefixCachedEngine(TorchEngine)): each piece calls super()
         cls = type("TorchEngine", tuple(wing(TORCH_ENGINE_PIECES[k]) for k in on), {})
-    return cls(model, pad_id=pad_id, max_batch_size=max_batch_size, **{k: v for k, v in on.items() if k != "concurrent"})
+    piece_args = {k: v for k, v in on.items() if k != "concurrent"}    # what the pieces take as arguments
+    return cls(model, pad_id=pad_id, max_batch_size=max_batch_size, **piece_args)
 
 
 # -----------------------------------------------------------------------------

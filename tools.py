@@ -5,7 +5,7 @@ scratchpad (notes in the EnvState); validate_arguments checks a call's arguments
 A world adds a tool by decorating `fn(env, state, **arguments) -> (state, text, error_kind | None)` with
 `@tool(name, description, parameters)` and naming it in its Env's `tool_names`; env.py's Env dispatches the calls.
 
-Imports: sandbox.py.
+Imports: sandbox.py, sandbox_exec.py.
 """
 import ast
 import math
@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 # The two sandboxes behind python_eval and python_exec, and the bounded parser calculate uses.
-from sandbox import SANDBOX, execute_python, parse_python
+from sandbox import SANDBOX, parse_python
+from sandbox_exec import execute_python
 
 
 @dataclass(frozen=True)

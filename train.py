@@ -88,7 +88,7 @@ class SyncSchedule:
     """When each step's batch is sampled and when weights are pushed, the reference way: batch s is sampled when step
     s begins, from the weights after update s-1; an update is pushed before the next batch is sampled.
     async_rollouts.AsyncSchedule answers the same calls with batches sampled ahead (rollout.async_rollouts)."""
-    overlaps = False         # the engine idles during the update, so it may sleep (on a GPU the learner gets its memory)
+    overlaps = False         # the engine idles during the update: it may sleep (on a GPU the learner gets its memory)
 
     def __init__(self, collect):
         self.collect = collect                       # collect(step) -> (trajectories, metrics)

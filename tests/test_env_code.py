@@ -14,7 +14,7 @@ import pytest
 
 import env_code
 from env import Action, Task, ToolCall, make_env, split_of
-from sandbox import ExecLimits, execute_python
+from sandbox_exec import ExecLimits, execute_python
 from env_code import FAMILIES, FAMILY, CodeEnv, extract_code, grade, reference_code
 from eval import play_scripted
 from worlds import read_tasks, write_tasks

@@ -1,4 +1,4 @@
-"""Tests for the python_exec sandbox (sandbox.execute_python / sandbox.run_python): one test per threat class.
+"""Tests for the python_exec sandbox (sandbox_exec.execute_python / run_python): one test per threat class.
 
 Each test proves the effect did not happen, from outside the sandbox: a canary environment variable and
 a canary file whose secret must not appear in the output, marker files that must not exist, sockets
@@ -24,8 +24,9 @@ import pytest
 
 import env
 import sandbox
+import sandbox_exec
 from env import Action, Task, ToolCall, ToyMathEnv
-from sandbox import ExecLimits, check_program, execute_python, run_python
+from sandbox_exec import ExecLimits, check_program, execute_python, run_python
 
 SECRET = "canary-7f3a9c"  # must never come out of the sandbox
 AS_ROOT = os.geteuid() == 0
@@ -210,11 +211,12 @@ def test_cpu_limit_is_a_backstop(tmp_path):
     # Nobody enforcing a wall clock: RLIMIT_CPU ends the child by itself (SIGXCPU, then SIGKILL).
     (tmp_path / "program.py").write_text("while True: pass")
     if AS_ROOT:
-        os.chown(tmp_path, sandbox.NOBODY, sandbox.NOBODY)
+        os.chown(tmp_path, sandbox_exec.NOBODY, sandbox_exec.NOBODY)
     limits = {"cpu_seconds": 1, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
               "max_chars": 100, "max_code_chars": 1000}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", sandbox.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+    out = subprocess.run([sys.executable, "-I", "-S", "-c",
+                          sandbox_exec.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
                          cwd=tmp_path, env={}, capture_output=True, timeout=30)
     assert out.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and out.stdout == b""
     assert time.monotonic() - start < 10
@@ -234,7 +236,7 @@ def test_file_size_open_files_and_open_budget():
     text, kind = execute_python("files = [open(f'f{i}', 'w') for i in range(40)]")
     assert kind == "error" and "Too many open files" in text
     text, kind = execute_python("for i in range(100):\n    open(f'f{i}', 'w').close()")
-    assert kind == "error" and f"{sandbox.MAX_OPENS} opens at most" in text
+    assert kind == "error" and f"{sandbox_exec.MAX_OPENS} opens at most" in text
 
 
 def test_output_is_truncated_with_a_marker():
@@ -300,10 +302,11 @@ def test_the_child_checks_again():
         with open(os.path.join(d, "program.py"), "w") as f:
             f.write("import os\nos.getuid()")
         if AS_ROOT:
-            os.chown(d, sandbox.NOBODY, sandbox.NOBODY)
+            os.chown(d, sandbox_exec.NOBODY, sandbox_exec.NOBODY)
         limits = {"cpu_seconds": 5, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
                   "max_chars": 100, "max_code_chars": 1000}
-        out = subprocess.run([sys.executable, "-I", "-S", "-c", sandbox.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+        out = subprocess.run([sys.executable, "-I", "-S", "-c",
+                              sandbox_exec.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
                              cwd=d, env={}, capture_output=True, text=True, timeout=30)
     assert json.loads(out.stdout)["kind"] == "refused"
 
@@ -423,7 +426,7 @@ def test_deep_nesting_is_a_clear_error(code):
 
 
 def test_nesting_up_to_the_limit_runs():
-    code = "x = 1\n" + "-" * (sandbox.MAX_NESTING - 10) + "x"  # about MAX_NESTING levels of the tree
+    code = "x = 1\n" + "-" * (sandbox_exec.MAX_NESTING - 10) + "x"  # about MAX_NESTING levels of the tree
     assert execute_python(code) == ("1", None)
     deep = "x = 1\n" + "-" * 300 + "x"
     text, kind = execute_python(f"eval({deep!r}.split(chr(10))[1], {{'x': 1}})")  # too deep inside eval too
@@ -453,10 +456,11 @@ def test_the_child_always_replies():
         with open(os.path.join(d, "program.py"), "w") as f:
             f.write("1 + 1")
         if AS_ROOT:
-            os.chown(d, sandbox.NOBODY, sandbox.NOBODY)
+            os.chown(d, sandbox_exec.NOBODY, sandbox_exec.NOBODY)
         limits = {"cpu_seconds": 5, "memory_bytes": 512 << 20, "file_bytes": 1 << 20, "open_files": 16,
                   "max_chars": 100}
-        out = subprocess.run([sys.executable, "-I", "-S", "-c", sandbox.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
+        out = subprocess.run([sys.executable, "-I", "-S", "-c",
+                              sandbox_exec.EXEC_CHILD_SRC + f"\n_exec_child_main({limits!r})"],
                              cwd=d, env={}, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0
     assert json.loads(out.stdout) == {"text": "Error: the sandbox failed: KeyError: 'max_code_chars'", "kind": "error"}
@@ -469,7 +473,7 @@ ALWAYS_EQUAL = "class Any:\n    def __eq__(self, other):\n        return True\n"
 
 
 def test_plain_copier_in_process():
-    plain = sandbox.plain_copier()
+    plain = sandbox_exec.plain_copier()
     namespace = {}
     exec(ALWAYS_EQUAL + "class I(int):\n    def __eq__(self, o):\n        return True\n"
          "class S(str):\n    def __eq__(self, o):\n        return True\n", namespace)
@@ -490,7 +494,7 @@ def test_plain_copier_in_process():
 
 def test_plain_copier_in_the_sandbox():
     # defined first, as a grader does; the program then rebinds the builtins it uses
-    program = (sandbox.PLAIN_COPIER_SRC + "plain = plain_copier()\n" + ALWAYS_EQUAL +
+    program = (sandbox_exec.PLAIN_COPIER_SRC + "plain = plain_copier()\n" + ALWAYS_EQUAL +
                "int = str = isinstance = lambda *a: True\n"
                "try:\n    plain(Any())\nexcept TypeError as e:\n    print('refused:', e)\n"
                "print(plain([7, 'x']) == [7, 'x'])")
