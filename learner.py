@@ -334,8 +334,8 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     elif cfg.off_policy.kind != "none" and batch.engine_logprobs is None:
         raise ValueError(f"learner.off_policy.kind={cfg.off_policy.kind} needs the engine's log-probs "
                          "(TrainBatch.engine_logprobs)")
-    kept = batch.kept_sizes
-    if kept is not None and bool((kept < 0).any()):
+    set_sizes = batch.kept_sizes                                             # (B, T) top-k / top-p set sizes
+    if set_sizes is not None and bool((set_sizes < 0).any()):
         raise ValueError("batch.kept_sizes has -1 (sets not reported by the engine): infer_kept_sizes first")
     ref = batch.ref_logprobs
     if cfg.kl_coef > 0 and ref is None:
@@ -351,34 +351,34 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
 
             def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
                 r = rows[idx]
-                ids, m = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) columns past L are padding
+                ids, row_mask = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) past L: padding
                 # only the trained tokens are scored; the entropy has autograd only when it is in the loss; a top-k /
                 # top-p sample is scored under the truncated distribution it was drawn from (truncated_score)
-                trunc = {} if kept is None else dict(score=truncated_score, score_args=kept[r, :L].to(dev))
+                trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes[r, :L].to(dev))
                 logp, ent = model.token_logprobs(ids, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                                                 return_entropy=True, mask=m, entropy_grad=cfg.entropy_coef > 0,
+                                                 return_entropy=True, mask=row_mask, entropy_grad=cfg.entropy_coef > 0,
                                                  **trunc)
                 # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
                 old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
                 loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,
-                                                  batch.advantages[r, :L].to(dev), m, cfg.loss,
+                                                  batch.advantages[r, :L].to(dev), row_mask, cfg.loss,
                                                   None if tis is None else tis[r, :L].to(dev))
-                entropy = algos.aggregate(ent, m, cfg.loss.agg_mode, cfg.loss.agg_norm)
+                entropy = algos.aggregate(ent, row_mask, cfg.loss.agg_mode, cfg.loss.agg_norm)
                 metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * entropy
                 if cfg.kl_coef > 0:
-                    kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind), m,
+                    kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind), row_mask,
                                          cfg.loss.agg_mode, cfg.loss.agg_norm)
                     loss = loss + cfg.kl_coef * kl
                     metrics["kl"] = kl.detach()
-                w = _share(m.cpu(), mb_mask, cfg.loss.agg_mode)
+                w = _share(row_mask.cpu(), mb_mask, cfg.loss.agg_mode)
                 return loss * w, {k: float(v) * w for k, v in metrics.items()}
 
-            m = _accumulate(state, cfg, mb_mask, micro_loss, opt_step)
+            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss, opt_step)
             opt_step += 1
             n_updates += 1
-            for k, v in m.items():
+            for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     used, computed = sums.pop("tokens_used"), sums.pop("tokens_computed")
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps

@@ -221,18 +221,19 @@ def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, 
 # -----------------------------------------------------------------------------
 # building the learner, the rollout source and the schedule
 
-def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_cfg
+def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_cfg, shared: bool
                   ) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
     """-> (the policy's learner state, PPO's critic or None, the model of an in-process torch engine or None). The
     reference, the critic and the engine start from the base model; LoRA wraps only the policy, sharding (torchrun)
-    comes after, and a resumed run's states are loaded from `resume`. The engine's model: shares_engine_model."""
+    comes after, and a resumed run's states are loaded from `resume`. The engine's model is the policy's own module
+    when `shared` (shares_engine_model), else a copy."""
     model = load_model(model_dir, dtype=getattr(torch, cfg.model.dtype))
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
     critic = None
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
         critic = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
     in_process = is_main() and cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers
-    engine_model = (model if shares_engine_model(cfg) else copy.deepcopy(model).eval()) if in_process else None
+    engine_model = (model if shared else copy.deepcopy(model).eval()) if in_process else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         wing("lora.apply_lora")(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets),
@@ -314,8 +315,8 @@ def main(cfg: Config) -> dict:
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     learner_cfg, critic_cfg = learner_configs(cfg)   # the policy's and the critic's
-    policy, critic, engine_model = build_learner(cfg, model_dir, resume, learner_cfg, critic_cfg)
     shared = shares_engine_model(cfg)             # the engine reads the policy's parameters: nothing to push
+    policy, critic, engine_model = build_learner(cfg, model_dir, resume, learner_cfg, critic_cfg, shared)
     teacher = build_teacher(cfg, tokenizer)       # None unless on-policy distillation
     weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
     rollouts = envs = eval_tasks = None

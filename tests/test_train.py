@@ -414,15 +414,17 @@ def test_peak_flops_override_table_and_measured():
 def test_in_process_torch_engine_shares_the_learners_parameters_only_when_it_can(tiny):
     """One process, no LoRA, no async rollouts: the engine's model is the policy's module (no copy, no push; the
     smoke and resume tests run this way and the weight-sync gate checks it); otherwise a copy that is pushed into."""
+    from config import learner_configs
     from train import build_learner, model_folder, shares_engine_model
     cfg = tiny()
     assert shares_engine_model(cfg)
-    policy, _, engine_model = build_learner(cfg, model_folder(cfg), "")
+    policy, _, engine_model = build_learner(cfg, model_folder(cfg), "", *learner_configs(cfg), True)
     assert engine_model is policy.model
     for extra in (["learner.lora_rank=4"], ["rollout.async_rollouts=true", "learner.off_policy.kind=tis"],
                   ["rollout.async_rollouts=true", "learner.off_policy.kind=tis", "rollout.partial_rollouts=true"],
                   ["rollout.engine=vllm"]):
         assert not shares_engine_model(tiny(*extra)), extra
     lora = tiny("learner.lora_rank=4")
-    policy, _, engine_model = build_learner(lora, model_folder(lora), "")
+    policy, _, engine_model = build_learner(lora, model_folder(lora), "", *learner_configs(lora),
+                                            shares_engine_model(lora))
     assert engine_model is not policy.model and engine_model is not None
