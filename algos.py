@@ -157,7 +157,7 @@ class PolicyLossConfig:
     cispo_clip_high: float = 4.0   # CISPO IS-weight ceiling 1 + 4.0 (the paper tunes only this bound; SkyRL's 5.0)
     gmpo_clip_low: float = 0.4     # GMPO token log-ratio floor -0.4 (ratio e^-0.4), binds where A < 0
     gmpo_clip_high: float = 0.4    # GMPO token log-ratio ceiling +0.4 (ratio e^0.4), binds where A > 0
-    log_ratio_clamp: float = 20.0  # log(pi/pi_old) is clamped to [-c, c] before exp, so the ratio never overflows
+    log_ratio_clamp: float = 20.0  # exp's argument is clamped to [-c, c], so a ratio never overflows (algos._exp)
     agg_mode: str = "token-mean"   # how token losses become one scalar, see aggregate()
     agg_norm: float | None = None  # constant normalizer for agg_mode="seq-mean-token-sum-norm" (e.g. max tokens)
 
@@ -186,25 +186,35 @@ def _seq_log_ratio(log_ratio, valid):
     return log_ratio.sum(dim=1, keepdim=True) / n   # log_ratio is already 0 at masked positions
 
 
+def _exp(log_ratio, cfg):
+    """exp(clamp(log_ratio, -c, c)), c = cfg.log_ratio_clamp: the clamp lives only inside the exponentials, as an
+    overflow guard. A loss that also uses log r itself (cispo) or averages it first (gspo, gmpo) gets it unclamped,
+    so no token loses its gradient to the guard there. Where a ratio is exponentiated per token (ppo, dual_clip,
+    dapo, sapo), a token beyond +-c has ratio e^+-c and no gradient: such a token is clipped anyway, or (A < 0,
+    r > e^c, plain PPO) its gradient A r would be huge."""
+    c = cfg.log_ratio_clamp
+    return log_ratio.clamp(-c, c).exp()
+
+
 def _ppo(log_ratio, adv, valid, cfg):
-    ratio = log_ratio.exp()
+    ratio = _exp(log_ratio, cfg)
     return (ratio, *_clipped_surrogate(ratio, adv, cfg.clip_low, cfg.clip_high))
 
 
 def _dual_clip(log_ratio, adv, valid, cfg):
-    ratio = log_ratio.exp()
+    ratio = _exp(log_ratio, cfg)
     return (ratio, *_clipped_surrogate(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c))
 
 
 def _dapo(log_ratio, adv, valid, cfg):
     # DAPO's "clip-higher": a wider ceiling lets low-probability tokens grow, fighting entropy collapse.
-    ratio = log_ratio.exp()
+    ratio = _exp(log_ratio, cfg)
     return (ratio, *_clipped_surrogate(ratio, adv, cfg.clip_low, cfg.dapo_clip_high))
 
 
 def _gspo(log_ratio, adv, valid, cfg):
     # s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), one ratio per sequence, clipped as a whole.
-    ratio = _seq_log_ratio(log_ratio, valid).exp().expand_as(log_ratio)          # (B, T)
+    ratio = _exp(_seq_log_ratio(log_ratio, valid), cfg).expand_as(log_ratio)     # (B, T)
     return (ratio, *_clipped_surrogate(ratio, adv, cfg.gspo_clip_low, cfg.gspo_clip_high))
 
 
@@ -212,7 +222,7 @@ def _gspo_token(log_ratio, adv, valid, cfg):
     # s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]: the value of s_i, but the gradient of a token ratio,
     # so a per-token advantage A_{i,t} weights its own token (the GSPO paper's GSPO-token).
     seq = _seq_log_ratio(log_ratio, valid).detach()                             # (B, 1)
-    ratio = (log_ratio - log_ratio.detach() + seq).exp()                        # (B, T)
+    ratio = _exp(seq, cfg) * (log_ratio - log_ratio.detach()).exp()             # (B, T)
     return (ratio, *_clipped_surrogate(ratio, adv, cfg.gspo_clip_low, cfg.gspo_clip_high))
 
 
@@ -220,7 +230,7 @@ def _sapo(log_ratio, adv, valid, cfg):
     # f(r) = sigmoid(tau (r - 1)) * 4 / tau has slope 1 at r = 1, like the plain surrogate r * A
     # (gradient weight 1 on-policy), then its slope decays smoothly instead of cutting to 0 like a
     # clip. No hard clip, so no token counts as clipped.
-    ratio = log_ratio.exp()
+    ratio = _exp(log_ratio, cfg)
     tau = torch.full_like(adv, cfg.sapo_tau_neg).masked_fill(adv > 0, cfg.sapo_tau_pos)   # (B, T)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau                            # (B, T)
     no_clip = torch.zeros_like(valid)
@@ -230,8 +240,9 @@ def _sapo(log_ratio, adv, valid, cfg):
 def _cispo(log_ratio, adv, valid, cfg):
     # The clipped ratio is a constant weight (sg), so a token outside the band keeps the gradient A * w of
     # REINFORCE instead of losing it as under PPO: rare, low-probability "fork" tokens keep learning.
-    # -sg(w) A log(pi / pi_old) is the paper's -sg(w) A log pi minus a constant: the same gradient.
-    ratio = log_ratio.exp()
+    # -sg(w) A log(pi / pi_old) is the paper's -sg(w) A log pi minus a constant: the same gradient. log r is used
+    # unclamped there, so a token however far off-policy keeps its gradient -w A (w at its cap).
+    ratio = _exp(log_ratio, cfg)
     w = ratio.detach().clamp(1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high)   # (B, T)
     # "clipped" here: the weight was capped (the token's gradient still flows, scaled by the cap)
     clipped_low = ratio < 1 - cfg.cispo_clip_low
@@ -242,18 +253,20 @@ def _cispo(log_ratio, adv, valid, cfg):
 def _gmpo(log_ratio, adv, valid, cfg):
     # Token log-ratios are clipped pessimistically for the sign of A (only the ceiling binds where A >= 0,
     # only the floor where A < 0, as PPO's min does), then averaged: the sequence ratio is their
-    # geometric mean, so one outlier token moves it by 1/|y| of its log instead of dominating a sum.
+    # geometric mean, so one outlier token moves it by 1/|y| of its log instead of dominating a sum. The overflow
+    # guard clamps the mean, not the tokens: a token far outside the band (only one side of it binds) keeps its
+    # 1/|y| share of the gradient unless the whole sequence's mean is beyond +-log_ratio_clamp.
     lo, hi = -cfg.gmpo_clip_low, cfg.gmpo_clip_high
     clipped = torch.where(adv >= 0, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))   # (B, T)
-    seq_ratio = _seq_log_ratio(clipped, valid).exp().expand_as(log_ratio)              # (B, T)
+    seq_ratio = _exp(_seq_log_ratio(clipped, valid), cfg).expand_as(log_ratio)         # (B, T)
     clipped_low = (adv < 0) & (log_ratio < lo)
     clipped_high = (adv > 0) & (log_ratio > hi)
-    ratio = _seq_log_ratio(log_ratio, valid).exp().expand_as(log_ratio)                # unclipped, for metrics
+    ratio = _exp(_seq_log_ratio(log_ratio, valid), cfg).expand_as(log_ratio)           # unclipped, for metrics
     return ratio, -adv * seq_ratio, clipped_low, clipped_high
 
 
 # kind -> fn(log_ratio (B, T), adv (B, T), valid (B, T), cfg) -> (ratio, token_loss, clipped_low, clipped_high), all (B, T);
-# log_ratio and adv arrive already clamped and zeroed at masked positions.
+# log_ratio (unclamped: each loss exponentiates with _exp) and adv arrive zeroed at masked positions.
 POLICY_LOSSES = {"ppo": _ppo, "dual_clip": _dual_clip, "dapo": _dapo,
                  "gspo": _gspo, "gspo_token": _gspo_token, "sapo": _sapo, "cispo": _cispo, "gmpo": _gmpo}
 
@@ -261,7 +274,8 @@ POLICY_LOSSES = {"ppo": _ppo, "dual_clip": _dual_clip, "dapo": _dapo,
 def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConfig, weights=None):
     """Policy-gradient loss of `kind`, aggregated by aggregate(., mask, cfg.agg_mode, cfg.agg_norm).
 
-    With r_t = exp(clamp(logp_t - old_logp_t)) and A_t = advantages (all (B, T)):
+    With r_t = exp(logp_t - old_logp_t) and A_t = advantages (all (B, T)); every exponential's argument is clamped
+    to +-log_ratio_clamp (an overflow guard, _exp says where that leaves a gradient and where not):
         ppo         max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))                   arXiv:1707.06347
         dual_clip   ppo, then min(., -c A) where A < 0 (c = dual_clip_c)                 arXiv:1912.09729
         dapo        ppo with ceiling 1 + dapo_clip_high ("clip-higher")                  arXiv:2503.14476
@@ -287,8 +301,7 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
     """
     _check("policy loss", kind, POLICY_LOSS_KINDS)
     valid = mask.bool()
-    c = cfg.log_ratio_clamp
-    log_ratio = torch.where(valid, (logp - old_logp).clamp(-c, c), 0.0)        # (B, T)
+    log_ratio = torch.where(valid, logp - old_logp, 0.0)                        # (B, T) garbage removed
     adv = torch.where(valid, advantages, 0.0)                                   # (B, T)
     ratio, token_loss, clipped_low, clipped_high = POLICY_LOSSES[kind](log_ratio, adv, valid, cfg)
     if weights is not None:
@@ -303,7 +316,7 @@ def policy_loss(kind: str, logp, old_logp, advantages, mask, cfg: PolicyLossConf
         metrics = {
             "clip_frac_low": mean(clipped_low),
             "clip_frac_high": mean(clipped_high),
-            "approx_kl": mean(log_ratio.exp() - 1 - log_ratio),
+            "approx_kl": mean(_exp(log_ratio, cfg) - 1 - log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)),
             "ratio_mean": mean(ratio),
             "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), 0.0),
             "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 0.0),

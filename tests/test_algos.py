@@ -546,6 +546,42 @@ def test_cispo_hand_computed_keeps_every_tokens_gradient():
     assert grad_ppo[0, 0] == 0 and grad[0, 0] != 0           # the token PPO drops, CISPO trains
 
 
+def test_cispo_keeps_the_gradient_of_tokens_beyond_the_overflow_guard():
+    # The guard clamps log r to +-20 only inside exp: a token however far off-policy keeps CISPO's -sg(w) A.
+    # One token, A = 1, old_logp = -21.5, logp = -0.5 (log r = 21): w = min(e^20, 1 + 4) = 5, gradient -5.
+    logp = torch.tensor([[-0.5]], dtype=f64, requires_grad=True)
+    old, adv, mask = torch.tensor([[-21.5]], dtype=f64), torch.ones(1, 1, dtype=f64), torch.ones(1, 1)
+    (grad,) = torch.autograd.grad(policy_loss("cispo", logp, old, adv, mask, PolicyLossConfig())[0], logp)
+    close(grad, [[-5.0]], rtol=1e-12)
+    for lr in (19.9, 21.0, 100.0):                     # below and above the guard: the same gradient
+        loss, m, grad = run_loss("cispo", [[math.exp(min(lr, 700.0))]], [[1.0]], [[1]])
+        close(grad, [[-5.0]], rtol=1e-12)
+    # bounds (0.2, 0.28), log r = -21: w = max(e^-20, 0.8) = 0.8, gradient -0.8
+    cfg = PolicyLossConfig(cispo_clip_low=0.2, cispo_clip_high=0.28)
+    logp = torch.tensor([[-21.5]], dtype=f64, requires_grad=True)
+    loss, m = policy_loss("cispo", logp, torch.tensor([[-0.5]], dtype=f64), adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    close(grad, [[-0.8]], rtol=1e-12)
+    close(loss, 0.8 * 21.0, rtol=1e-12)                 # -w A log r, with log r itself unclamped
+    close(m["ratio_max"], math.exp(-20.0), rtol=1e-12)  # the ratio is the guarded one (no overflow, no underflow)
+
+
+def test_gmpo_far_off_token_keeps_its_share_of_the_gradient():
+    # A = 1, log r = [-25, 0, 0, 0] (token-mean over one row): only the ceiling binds for A >= 0, so c = log r;
+    # the sequence ratio is s = exp(-25 / 4) (the guard clamps the mean, -6.25, not the token) and every token's
+    # gradient is -A s / 4, the far-off one's included (before the fix it had none: its log r was cut at -20).
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean")
+    lr = torch.tensor([[-25.0, 0.0, 0.0, 0.0]], dtype=f64)
+    loss, m, grad = run_loss("gmpo", lr.exp(), [[1.0] * 4], [[1, 1, 1, 1]], cfg)
+    s = math.exp(-25 / 4)
+    close(loss, -s, rtol=1e-12)
+    close(grad, [[-s / 4] * 4], rtol=1e-12)
+    # a whole sequence beyond the guard: the ratio stays finite (e^20), and its gradient is the guard's 0
+    loss, m, grad = run_loss("gmpo", [[math.exp(30.0)] * 2], [[-1.0] * 2], [[1, 1]], cfg)
+    close(loss, math.exp(20.0), rtol=1e-12)
+    assert torch.isfinite(loss) and (grad == 0).all()
+
+
 def test_cispo_on_policy_is_reinforce():
     # r = 1 everywhere: w = 1, so grad = grad of -A log pi, for any band
     g = torch.Generator().manual_seed(11)
