@@ -386,6 +386,13 @@ def validate(cfg: Config) -> Config:
     if cfg.algo.advantage == "none" and cfg.algo.kl_in_reward:
         raise ValueError("algo.advantage=none has no reward to put a KL in: use learner.kl_coef without "
                          "algo.kl_in_reward")
+    if not 0 <= cfg.algo.overlong_cache <= cfg.rollout.agent.max_total_tokens:
+        raise ValueError(f"algo.overlong_cache={cfg.algo.overlong_cache} must be >= 0 and at most "
+                         f"rollout.agent.max_total_tokens={cfg.rollout.agent.max_total_tokens} (the penalty ramps over "
+                         "the last overlong_cache tokens of the budget)")
+    if cfg.rollout.agent.enable_thinking is not None and cfg.rollout.agent.chat_format != "qwen3":
+        raise ValueError(f"rollout.agent.enable_thinking applies to rollout.agent.chat_format=qwen3 only (the format "
+                         f"with a think block), not {cfg.rollout.agent.chat_format!r}: leave it unset")
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
     off = cfg.learner.off_policy
@@ -454,6 +461,9 @@ def validate_ray(cfg: Config):
     if ray_cfg.rollout_workers and ray_cfg.dispatcher == "async_pipeline" and not ray_cfg.env_workers:
         raise ValueError("ray.dispatcher=async_pipeline runs its init and evaluate stages on env workers: "
                          "set ray.env_workers >= 1")
+    if ray_cfg.max_in_flight and ray_cfg.dispatcher == "async_batch":
+        raise ValueError("ray.max_in_flight bounds the async_batch_bounded and async_pipeline dispatchers; "
+                         "ray.dispatcher=async_batch submits every chunk at once")
     if ray_cfg.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
         raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
 

@@ -433,20 +433,35 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, micro_batch_size: in
 
 
 def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, value_clip: float) -> tuple[LearnerState, dict]:
-    """One optimizer step of the clipped value loss (algos.value_loss), token-mean over the batch."""
-    mask = batch.loss_mask.float()
+    """The clipped value loss (algos.value_loss), token-mean, on train_step's schedule: ppo_epochs passes of
+    mini_batches optimizer steps (rows shuffled with the critic's own RNG when mini_batches > 1). The first step's
+    values are the old ones, so the clip binds only from the second step on: value_clip bounds how far each later
+    step moves a value from old_values. Metrics are means over the optimizer steps."""
+    mask = batch.loss_mask.float()                                            # (B, T)
     dev = _device(state.model)
+    B = batch.input_ids.shape[0]
+    sums: dict[str, float] = {}
+    n_updates, opt_step = 0, state.optimizer_step
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
+        for rows in order.chunk(cfg.mini_batches):
+            mb_mask = mask[rows]                                              # (b, T)
 
-    def micro_loss(idx, L):
-        v = state.model(batch.input_ids[idx, :L].to(dev))                       # (m, L)
-        loss, m = algos.value_loss(v, batch.old_values[idx, :L].to(dev), batch.returns[idx, :L].to(dev),
-                                   mask[idx, :L].to(dev), value_clip)
-        w = _share(mask[idx, :L], mask, "token-mean")
-        return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
+            def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
+                r = rows[idx]
+                v = state.model(batch.input_ids[r, :L].to(dev))                   # (m, L)
+                loss, m = algos.value_loss(v, batch.old_values[r, :L].to(dev), batch.returns[r, :L].to(dev),
+                                           mask[r, :L].to(dev), value_clip)
+                w = _share(mask[r, :L], mb_mask, "token-mean")
+                return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
 
-    m = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
-    m = {k: v for k, v in m.items() if not k.startswith("tokens_")}          # train_step's pad fraction logs those
-    return replace(state, optimizer_step=state.optimizer_step + 1), {f"critic/{k}": v for k, v in m.items()}
+            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss, opt_step)
+            opt_step += 1
+            n_updates += 1
+            for k, v in step_metrics.items():
+                if not k.startswith("tokens_"):                               # train_step's pad fraction logs those
+                    sums[k] = sums.get(k, 0.0) + v
+    return replace(state, optimizer_step=opt_step), {f"critic/{k}": v / n_updates for k, v in sums.items()}
 
 
 # -----------------------------------------------------------------------------

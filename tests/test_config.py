@@ -245,3 +245,17 @@ def test_bounded_staleness_and_partial_rollouts_are_checked():
             load_config(None, extra)
     with pytest.raises(KeyError, match="did you mean 'rollout.max_staleness'"):
         load_config(None, [*on, "rollout.max_stalenes=2"])
+
+
+def test_knobs_that_would_do_nothing_here_are_refused():
+    """Found by tests/test_knobs.py: a knob set where it cannot act is refused at load, naming it, not ignored (or,
+    for overlong_cache past the budget, a crash at step 1)."""
+    with pytest.raises(ValueError, match="algo.overlong_cache=600 must be >= 0 and at most rollout.agent"):
+        load_config(None, ["algo.overlong_cache=600", "rollout.agent.max_total_tokens=512"])
+    assert load_config(None, ["algo.overlong_cache=512"]).algo.overlong_cache == 512      # the whole budget: allowed
+    with pytest.raises(ValueError, match="rollout.agent.enable_thinking applies to rollout.agent.chat_format=qwen3"):
+        load_config(None, ["rollout.agent.enable_thinking=false"])
+    assert load_config(None, ["rollout.agent.enable_thinking=false", "rollout.agent.chat_format=qwen3"])
+    with pytest.raises(ValueError, match="ray.max_in_flight bounds"):
+        load_config(None, ["ray.rollout_workers=1", "ray.max_in_flight=2"])
+    assert load_config(None, ["ray.rollout_workers=1", "ray.max_in_flight=2", "ray.dispatcher=async_batch_bounded"])

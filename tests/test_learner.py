@@ -284,3 +284,31 @@ def test_infer_kept_sizes_from_the_engines_log_probs():
     with pytest.raises(ValueError, match="infer_kept_sizes"):
         train_step(make_learner(copy.deepcopy(model), LearnerConfig(), seed=0),
                    replace(batch, kept_sizes=hidden, old_from_update=True), LearnerConfig())
+
+
+def test_critic_step_follows_the_update_schedule_and_its_value_clip_binds():
+    """critic_step takes ppo_epochs x mini_batches optimizer steps, as train_step does. Its first step starts from
+    the old values, where the clip cannot bind (V - V_old = 0): with one step per batch algo.value_clip changes
+    nothing, with two it bounds the second step (vf_clip_frac > 0 for a clip far below the first step's move)."""
+    from learner import Critic, ValueBatch, compute_values, critic_step
+    batch = make_batch()
+    g = torch.Generator().manual_seed(3)
+    returns = 5.0 * torch.randn(batch.input_ids.shape, generator=g) * batch.loss_mask    # (B, T) far from V = 0
+
+    def run(value_clip, **kw):
+        cfg = LearnerConfig(lr=1e-2, micro_batch_size=3, **kw)
+        state = make_learner(Critic(init_model(CFG, seed=0)), cfg, seed=1)
+        old = compute_values(state.model, batch.input_ids, cfg.micro_batch_size)
+        state, m = critic_step(state, ValueBatch(batch.input_ids, batch.loss_mask, old, returns), cfg, value_clip)
+        return state, m, compute_values(state.model, batch.input_ids, cfg.micro_batch_size)
+
+    one_wide, m1, v1 = run(10.0)
+    one_tight, m2, v2 = run(1e-4)
+    assert one_wide.optimizer_step == one_tight.optimizer_step == 1
+    assert m1["critic/vf_clip_frac"] == m2["critic/vf_clip_frac"] == 0.0 and torch.equal(v1, v2)
+    two_wide, m3, v3 = run(10.0, ppo_epochs=2)
+    two_tight, m4, v4 = run(1e-4, ppo_epochs=2)
+    assert two_wide.optimizer_step == two_tight.optimizer_step == 2
+    assert m3["critic/vf_clip_frac"] == 0.0 < m4["critic/vf_clip_frac"]      # mean over the two steps
+    assert not torch.equal(v3, v4)
+    assert run(1e-4, mini_batches=2)[0].optimizer_step == 2                # rows shuffled by the critic's own RNG
