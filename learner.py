@@ -311,6 +311,27 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
 # -----------------------------------------------------------------------------
 # the RL update
 
+def _run_schedule(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss_of) -> tuple:
+    """The update's schedule, train_step's and critic_step's: ppo_epochs passes over the batch, each split into
+    mini_batches optimizer steps (rows shuffled with state.rng when mini_batches > 1). micro_loss_of(rows, mb_mask)
+    gives the micro_loss(idx, L) of a mini-batch (idx indexes its rows). mask (B, T) -> (the next optimizer step,
+    the metrics summed over the optimizer steps, their number)."""
+    B = mask.shape[0]
+    sums: dict[str, float] = {}
+    n_updates, opt_step = 0, state.optimizer_step
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
+        for rows in order.chunk(cfg.mini_batches):
+            mb_mask = mask[rows]                                              # (b, T)
+            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss_of(rows, mb_mask), opt_step)
+            opt_step += 1
+            n_updates += 1
+            for k, v in step_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+    return opt_step, sums, n_updates
+
+
+
 def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tuple[LearnerState, dict]:
     """One RL update on a batch of trajectories -> (the state after it, metrics namespaced 'train/...').
     batch.old_logprobs is required (the caller scored the batch before any update: train.compute_advantages),
@@ -341,45 +362,35 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
     if cfg.kl_coef > 0 and ref is None:
         raise ValueError("learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)")
 
-    B = batch.input_ids.shape[0]
-    sums: dict[str, float] = {}
-    n_updates, opt_step = 0, state.optimizer_step
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.chunk(cfg.mini_batches):
-            mb_mask = mask[rows]                                              # (b, T)
+    def micro_loss_of(rows: torch.Tensor, mb_mask: torch.Tensor):
+        def micro_loss(idx, L):
+            r = rows[idx]
+            ids, row_mask = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) past L: padding
+            # only the trained tokens are scored; the entropy has autograd only when it is in the loss; a top-k /
+            # top-p sample is scored under the truncated distribution it was drawn from (truncated_score)
+            trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes[r, :L].to(dev))
+            logp, ent = model.token_logprobs(ids, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
+                                             return_entropy=True, mask=row_mask, entropy_grad=cfg.entropy_coef > 0,
+                                             **trunc)
+            # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
+            old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
+            loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,
+                                              batch.advantages[r, :L].to(dev), row_mask, cfg.loss,
+                                              None if tis is None else tis[r, :L].to(dev))
+            entropy = algos.aggregate(ent, row_mask, cfg.loss.agg_mode, cfg.loss.agg_norm)
+            metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * entropy
+            if cfg.kl_coef > 0:
+                kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind), row_mask,
+                                     cfg.loss.agg_mode, cfg.loss.agg_norm)
+                loss = loss + cfg.kl_coef * kl
+                metrics["kl"] = kl.detach()
+            w = _share(row_mask.cpu(), mb_mask, cfg.loss.agg_mode)
+            return loss * w, {k: float(v) * w for k, v in metrics.items()}
+        return micro_loss
 
-            def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
-                r = rows[idx]
-                ids, row_mask = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) past L: padding
-                # only the trained tokens are scored; the entropy has autograd only when it is in the loss; a top-k /
-                # top-p sample is scored under the truncated distribution it was drawn from (truncated_score)
-                trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes[r, :L].to(dev))
-                logp, ent = model.token_logprobs(ids, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                                                 return_entropy=True, mask=row_mask, entropy_grad=cfg.entropy_coef > 0,
-                                                 **trunc)
-                # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
-                old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
-                loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,
-                                                  batch.advantages[r, :L].to(dev), row_mask, cfg.loss,
-                                                  None if tis is None else tis[r, :L].to(dev))
-                entropy = algos.aggregate(ent, row_mask, cfg.loss.agg_mode, cfg.loss.agg_norm)
-                metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
-                if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * entropy
-                if cfg.kl_coef > 0:
-                    kl = algos.aggregate(algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind), row_mask,
-                                         cfg.loss.agg_mode, cfg.loss.agg_norm)
-                    loss = loss + cfg.kl_coef * kl
-                    metrics["kl"] = kl.detach()
-                w = _share(row_mask.cpu(), mb_mask, cfg.loss.agg_mode)
-                return loss * w, {k: float(v) * w for k, v in metrics.items()}
-
-            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss, opt_step)
-            opt_step += 1
-            n_updates += 1
-            for k, v in step_metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+    opt_step, sums, n_updates = _run_schedule(state, cfg, mask, micro_loss_of)
     used, computed = sums.pop("tokens_used"), sums.pop("tokens_computed")
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps
     metrics["perf/pad_fraction"] = 1.0 - used / max(computed, 1)             # the update's work spent on padding
@@ -439,28 +450,19 @@ def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, valu
     step moves a value from old_values. Metrics are means over the optimizer steps."""
     mask = batch.loss_mask.float()                                            # (B, T)
     dev = _device(state.model)
-    B = batch.input_ids.shape[0]
-    sums: dict[str, float] = {}
-    n_updates, opt_step = 0, state.optimizer_step
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.chunk(cfg.mini_batches):
-            mb_mask = mask[rows]                                              # (b, T)
 
-            def micro_loss(idx, L, rows=rows, mb_mask=mb_mask):
-                r = rows[idx]
-                v = state.model(batch.input_ids[r, :L].to(dev))                   # (m, L)
-                loss, m = algos.value_loss(v, batch.old_values[r, :L].to(dev), batch.returns[r, :L].to(dev),
-                                           mask[r, :L].to(dev), value_clip)
-                w = _share(mask[r, :L], mb_mask, "token-mean")
-                return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in m.items()}}
+    def micro_loss_of(rows: torch.Tensor, mb_mask: torch.Tensor):
+        def micro_loss(idx, L):
+            r = rows[idx]
+            v = state.model(batch.input_ids[r, :L].to(dev))                       # (m, L)
+            loss, vf = algos.value_loss(v, batch.old_values[r, :L].to(dev), batch.returns[r, :L].to(dev),
+                                        mask[r, :L].to(dev), value_clip)
+            w = _share(mask[r, :L], mb_mask, "token-mean")
+            return loss * w, {"value_loss": float(loss.detach()) * w, **{k: float(x) * w for k, x in vf.items()}}
+        return micro_loss
 
-            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss, opt_step)
-            opt_step += 1
-            n_updates += 1
-            for k, v in step_metrics.items():
-                if not k.startswith("tokens_"):                               # train_step's pad fraction logs those
-                    sums[k] = sums.get(k, 0.0) + v
+    opt_step, sums, n_updates = _run_schedule(state, cfg, mask, micro_loss_of)
+    sums = {k: v for k, v in sums.items() if not k.startswith("tokens_")}   # train_step's pad fraction logs those
     return replace(state, optimizer_step=opt_step), {f"critic/{k}": v / n_updates for k, v in sums.items()}
 
 
@@ -476,15 +478,15 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
     dev = _device(model)
 
     def micro_loss(idx, L):
-        ids, m = input_ids[idx, :L].to(dev), mask[idx, :L]
-        logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size, mask=m.to(dev))  # (m, T)
-        nll = algos.aggregate(-logp, m.to(dev), "token-mean")
-        w = _share(m, mask, "token-mean")
+        ids, row_mask = input_ids[idx, :L].to(dev), mask[idx, :L]
+        logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size, mask=row_mask.to(dev))  # (m, L)
+        nll = algos.aggregate(-logp, row_mask.to(dev), "token-mean")
+        w = _share(row_mask, mask, "token-mean")
         return nll * w, {"loss": float(nll.detach()) * w}
 
-    m = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
-    m = {k: v for k, v in m.items() if not k.startswith("tokens_")}
-    return replace(state, optimizer_step=state.optimizer_step + 1), {f"sft/{k}": v for k, v in m.items()}
+    step_metrics = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
+    step_metrics = {k: v for k, v in step_metrics.items() if not k.startswith("tokens_")}
+    return replace(state, optimizer_step=state.optimizer_step + 1), {f"sft/{k}": v for k, v in step_metrics.items()}
 
 
 # -----------------------------------------------------------------------------
