@@ -23,7 +23,8 @@ room names, so a held-out game there may read like a training one; from level 2 
 The episode. The prompt and every observation show the game's text, the score, the admissible commands (as
 TextWorld computes them) and the objective, which stays visible every turn (the lesson of alfworld_lite's
 restate_goal: a small model loses a goal stated once, ~500 tokens back). A command outside the admissible list
-(case and spacing forgiven) is not sent to the game: the observation says so, and it counts as an invalid action.
+(spacing forgiven, and case: a command that matches an admissible one but for case runs as TextWorld wrote it,
+capitals in names kept) is not sent to the game: the observation says so, and it counts as an invalid action.
 Reward: 1.0 when the game is won, else its score / max score (paid out as it changes, so the rewards of an
 episode sum to that value, also for an episode max_turns cuts off). A lost game (the wrong object taken) ends the
 episode. info["metrics"] after every step: "success", "score" (score / max score), "invalid_actions", "steps".
@@ -38,10 +39,12 @@ the pool are closed (their interpreter library unloaded); env.close() closes the
 raises ends its episode: step() raises, which the agent loop reports as finish_reason "env_error".
 
 Expert (demonstration, eval.py --policy expert): TextWorld's walkthrough, the winning policy it computes from
-the game's logic (policy_commands at the start), played through step(); it must win. Random (the floor): a
+the game's logic (policy_commands at the start; where it has none, the walkthrough in the game's metadata),
+played through step(); it must win. Random (the floor): a
 random admissible command, and one time in ten a misspelled one.
 """
 import argparse
+import json
 import os
 import random
 import shutil
@@ -307,17 +310,42 @@ class TextWorldEnv(Env):
         return "You are playing a text game. Reach the goal with tw_act, one admissible command per turn."
 
     def path(self, task: Task) -> str:
-        return ensure_game(self.cache, task.meta["key"])
+        return self.path_of(task.meta["key"])
+
+    def path_of(self, key: str) -> str:
+        return ensure_game(self.cache, key)
 
     def make_task(self, challenge: str, level: int, seed: int) -> Task:
         """The task of one game, generated (or found in the cache) and started to read its first screen."""
         key = game_key(challenge, level, seed)
         first = self.pool.play(ensure_game(self.cache, key), ())
         meta = {"key": key, "challenge": challenge, "level": level, "seed": seed, "objective": first.objective,
-                "max_score": first.max_score, "walkthrough": list(first.policy_commands)}
+                "max_score": first.max_score, "walkthrough": self.walkthrough(self.path_of(key), first)}
         task = Task(env=self.name, id=f"{self.name}/{key}", prompt="", answer=WON, meta=meta)
         state = self.initial_state(task, first)
         return replace(task, prompt=show(state, clean(first.feedback, first.objective)))
+
+    def walkthrough(self, path: str, first) -> list[str]:
+        """The expert's commands: TextWorld's winning policy from the start (first.policy_commands, computed from the
+        game's logic), or where it has none (cooking level 4: its quest search gives up) the walkthrough the generator
+        wrote into the game's metadata (game.json beside the .z8), played here to keep it admissible: a command
+        admissible but for case runs as TextWorld writes it ("BBQ"), and one that is not admissible at its point (a
+        door the script opens twice) is a no-op in the game and left out. Played up to the win."""
+        if first.policy_commands:
+            return list(first.policy_commands)
+        with open(os.path.splitext(path)[0] + ".json") as f:
+            script = json.load(f).get("metadata", {}).get("walkthrough") or []
+        commands, admissible = [], first.admissible_commands
+        for command in script:
+            match = {c.lower(): c for c in admissible}.get(" ".join(command.lower().split()))
+            if match is None:
+                continue
+            after = self.pool.play(path, tuple(commands), match)
+            commands.append(match)
+            if after.won or after.lost:
+                break
+            admissible = after.admissible_commands
+        return commands
 
     def initial_state(self, task: Task, first) -> TWState:
         return TWState(task=task, admissible=tuple(first.admissible_commands), max_score=first.max_score)
@@ -345,7 +373,9 @@ class TextWorldEnv(Env):
     def act(self, state: TWState, command: str) -> tuple[TWState, str, str | None]:
         """One command -> (state, observation, error kind). Not admissible: not sent to the game, an invalid action.
         Won or lost: the episode ends (answer WON or LOST). The interpreter raised: state.error, kind "error"."""
-        command = " ".join(str(command).lower().split())
+        command = " ".join(str(command).split())
+        if command not in state.admissible:       # case forgiven: TextWorld keeps capitals in names ("BBQ")
+            command = {c.lower(): c for c in state.admissible}.get(command.lower(), command.lower())
         state = replace(state, steps=state.steps + 1)
         if command not in state.admissible:
             state = replace(state, invalid_actions=state.invalid_actions + 1)

@@ -228,3 +228,25 @@ def test_missing_textworld_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "textworld", None)   # `import textworld` now raises ModuleNotFoundError
     with pytest.raises(ImportError, match=r"pip install textworld==1\.7\.0"):
         make_env("textworld")
+
+
+@pytest.mark.slow
+def test_a_game_without_a_policy_is_won_by_its_metadata_walkthrough_and_capitals_are_kept(cache):
+    """Cooking level 4: TextWorld computes no winning policy from the start (policy_commands is empty), and its
+    recipe needs "cook ... with BBQ", a command whose capitals the old lower-casing refused. The expert plays the
+    generator's own walkthrough (game.json), kept admissible, and wins; the same commands typed in lower case are
+    forgiven and run as TextWorld writes them."""
+    env = make_env("textworld", challenges={"tw-cooking": [4]}, train_games=2, test_games=2, cache_dir=cache,
+                   pool_size=2)
+    try:
+        task = env.make_task("tw-cooking", 4, 1)
+        commands = task.meta["walkthrough"]
+        assert commands and any(c != c.lower() for c in commands)          # e.g. "cook red potato with BBQ"
+        demo = env.demonstration(task, random.Random(0), True)               # raises unless it wins
+        assert demo[-1]["role"] == "assistant"
+        state, _ = env.reset(task, seed=0)
+        state, _, reward, done = play(env, state, *[c.lower() for c in commands])
+        assert done and state.answer == "won" and state.invalid_actions == 0
+        assert state.commands == tuple(commands)                             # as TextWorld writes them
+    finally:
+        env.close()
