@@ -3,8 +3,9 @@ the agent plays through one tool, tw_act(command). A real benchmark: the games, 
 are TextWorld's own (pip install textworld==1.7.0, an optional dependency), not ours.
 
 Tasks are games: (challenge, level, seed). Four of TextWorld's challenge families, each with a difficulty level:
-    tw-coin_collector   level 1-300: find the coin at the end of a chain of `level % 100` rooms (1-100: no
-                        distractor rooms; 101-200 and 201-300 add dead ends). The objective spells out the path.
+    tw-coin_collector   level 1-150 and 201-233: find the coin at the end of a chain of `level % 100` rooms (1-100:
+                        no distractor rooms; 101-150 and 201-233 add dead ends; the other levels of tw-make need
+                        more than 100 rooms, which TextWorld 1.7 cannot build). The objective spells out the path.
     tw-treasure_hunter  level 1-30: fetch the named object among distractors (picking up the wrong one loses);
                         from level 11, locked doors and containers hide it.
     tw-simple           level 1-3: a fixed house, put an object somewhere; rewards dense, balanced, sparse.
@@ -71,11 +72,29 @@ COOKING_LEVELS = {1: "--recipe 1 --take 1 --go 1",                             #
                   3: "--recipe 2 --take 2 --go 6 --open --cook --cut",         # two, to cook and cut
                   4: "--recipe 3 --take 3 --go 9 --open --cook --cut --drop"}  # three, 9 rooms, small inventory
 CHALLENGES = {  # challenge -> (its levels, level -> tw-make arguments)
-    "tw-coin_collector": (range(1, 301), lambda level, seed: f"--level {level}"),
+    # coin_collector's levels 151-200 and 234-300 need more than 100 rooms, which TextWorld 1.7 (no Glulx) cannot
+    # build: only what can be built is offered
+    "tw-coin_collector": ((*range(1, 151), *range(201, 234)), lambda level, seed: f"--level {level}"),
     "tw-treasure_hunter": (range(1, 31), lambda level, seed: f"--level {level}"),
     "tw-simple": (tuple(SIMPLE_LEVELS), lambda level, seed: SIMPLE_LEVELS[level]),
     "tw-cooking": (tuple(COOKING_LEVELS), lambda level, seed: f"{COOKING_LEVELS[level]} --recipe-seed {seed}"),
 }
+
+
+def spans(levels) -> str:
+    """(1, 2, 3, 7) -> '1-3, 7': a challenge's levels, readable in an error."""
+    out, start = [], None
+    for i, lv in enumerate(levels):
+        start = lv if start is None else start
+        if i + 1 == len(levels) or levels[i + 1] != lv + 1:
+            out.append(str(lv) if lv == start else f"{start}-{lv}")
+            start = None
+    return ", ".join(out)
+
+
+class GameGenerationError(ValueError):
+    """TextWorld's generator cannot build this (challenge, level, seed): e.g. treasure_hunter's quest too long for
+    the map it drew. sample_tasks draws another seed in its place."""
 
 
 def import_textworld():
@@ -130,7 +149,10 @@ def ensure_game(cache: str, key: str) -> str:
     os.makedirs(cache, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=cache)
     try:
-        generate_game(*parse_key(key), tmp)
+        try:
+            generate_game(*parse_key(key), tmp)
+        except Exception as e:                         # the generator's own failure (its message says why)
+            raise GameGenerationError(f"TextWorld cannot generate {key}: {type(e).__name__}: {e}") from e
         for name in os.listdir(tmp):                   # keep only what textworld.start reads (not the Inform 7 source)
             if name not in ("game.z8", "game.json"):
                 os.remove(os.path.join(tmp, name))
@@ -294,7 +316,7 @@ class TextWorldEnv(Env):
                 raise ValueError(f"unknown challenge {name!r}; choose from {list(CHALLENGES)}")
             bad = [lv for lv in levels if lv not in CHALLENGES[name][0]]
             if bad or not levels:
-                raise ValueError(f"{name} has no level {bad or levels}; its levels are {CHALLENGES[name][0]}")
+                raise ValueError(f"{name} has no level {bad or levels}; its levels are {spans(CHALLENGES[name][0])}")
         if not challenges:
             raise ValueError("challenges is empty: give e.g. {'tw-coin_collector': [1, 2]}")
         if not 1 <= train_games <= TEST_SEED or test_games < 1:
@@ -352,7 +374,8 @@ class TextWorldEnv(Env):
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct games of `split`, the same for the same (seed, constructor arguments): a (challenge, level)
-        pair of the mix, uniformly, then a seed of the split's range. Games are generated on first use."""
+        pair of the mix, uniformly, then a seed of the split's range. Games are generated on first use; one that
+        TextWorld cannot generate (GameGenerationError) is replaced, deterministically, by the next one drawn."""
         pairs = [(name, level) for name, levels in self.challenges.items() for level in levels]
         base, count = (0, self.train_games) if split == "train" else (TEST_SEED, self.test_games)
 
@@ -361,8 +384,21 @@ class TextWorldEnv(Env):
             key = game_key(challenge, level, base + rng.randrange(count))
             return Task(env=self.name, id=f"{self.name}/{key}", prompt="", answer=WON)
         hint = f": raise {'train' if split == 'train' else 'test'}_games ({count} per challenge and level)"
-        picked = sample_distinct(draw, split, n, seed, hint)
-        return [self.make_task(*parse_key(t.id.split("/", 1)[1])) for t in picked]
+        built, m = {}, n                        # key -> its Task, or None when TextWorld cannot generate it
+        while True:                             # sample_distinct's first m draws do not depend on m: a game that
+            tasks = []                          # cannot be generated is replaced by the next one drawn
+            for t in sample_distinct(draw, split, m, seed, hint):
+                key = t.id.split("/", 1)[1]
+                if key not in built:
+                    try:
+                        built[key] = self.make_task(*parse_key(key))
+                    except GameGenerationError:
+                        built[key] = None
+                if built[key] is not None:
+                    tasks.append(built[key])
+                if len(tasks) == n:
+                    return tasks
+            m += n - len(tasks)
 
     def reset(self, task: Task, seed: int) -> tuple[TWState, list[dict]]:
         """The game at its start (the prompt is its first screen); `seed` is unused (the games are deterministic)."""

@@ -250,3 +250,42 @@ def test_a_game_without_a_policy_is_won_by_its_metadata_walkthrough_and_capitals
         assert state.commands == tuple(commands)                             # as TextWorld writes them
     finally:
         env.close()
+
+
+def test_only_buildable_levels_are_offered():
+    """coin_collector levels 151-200 and 234-300 need more than 100 rooms, which TextWorld 1.7 cannot build: the env
+    offers only what it can build, and asking for more is a clear error naming the levels it has."""
+    levels = twe.CHALLENGES["tw-coin_collector"][0]
+    assert 150 in levels and 201 in levels and 233 in levels
+    assert not {151, 200, 234, 300} & set(levels)
+    with pytest.raises(ValueError, match=r"tw-coin_collector has no level \[151\]; its levels are 1-150, 201-233"):
+        make_env("textworld", challenges={"tw-coin_collector": [151]})
+
+
+@pytest.mark.slow
+def test_a_game_textworld_cannot_generate_is_replaced_by_the_next_draw(tmp_path, monkeypatch):
+    """A (challenge, level, seed) the generator fails on (treasure_hunter levels 9-10 at some seeds: "Current map
+    configuration doesn't permit quest of length 5") is not a crash: sample_tasks draws the next game in its
+    place, deterministically, and the others stay as they were."""
+    env = make_env("textworld", challenges={"tw-coin_collector": [2]}, train_games=6, test_games=2,
+                   cache_dir=str(tmp_path / "a"))
+    first = [t.id for t in env.sample_tasks("train", 3, 0)]
+    env.close()
+    real = twe.generate_game
+    bad = twe.parse_key(first[1].split("/", 1)[1])
+
+    def failing(challenge, level, seed, folder):
+        if (challenge, level, seed) == bad:
+            raise RuntimeError("Current map configuration doesn't permit quest of length 5")
+        return real(challenge, level, seed, folder)
+    monkeypatch.setattr(twe, "generate_game", failing)
+    with pytest.raises(twe.GameGenerationError, match="TextWorld cannot generate tw-coin_collector-L2"):
+        twe.ensure_game(str(tmp_path / "c"), first[1].split("/", 1)[1])
+    runs = []
+    for cache in ("b1", "b2"):
+        env = make_env("textworld", challenges={"tw-coin_collector": [2]}, train_games=6, test_games=2,
+                       cache_dir=str(tmp_path / cache))
+        runs.append([t.id for t in env.sample_tasks("train", 3, 0)])
+        env.close()
+    assert runs[0] == runs[1]                                            # deterministic
+    assert first[1] not in runs[0] and [first[0], first[2]] == runs[0][:2] and len(set(runs[0])) == 3
