@@ -191,14 +191,15 @@ def print_metrics(metrics: dict[str, float]) -> None:
         print(f"{k:40s} {metrics[k]:.4f}")
 
 
-def run_eval(cfg, rollouts, eval_tasks: dict, run_dir: str, step: int) -> dict:
-    """train.py's evaluation at RL step `step`: eval.n_samples episodes per held-out task (greedy unless
-    eval_temperature) -> the eval/... metrics (pass@k among them); the episodes dumped to episodes_step<step>.jsonl."""
+def run_eval(cfg, rollouts, eval_tasks: dict, out: str) -> dict:
+    """A run's evaluation, as its config says (train.py's at every eval step, and this file's CLI):
+    eval.n_samples episodes per held-out task (greedy unless eval_temperature) -> the eval/... metrics (pass@k
+    among them) and perf/eval_seconds; every episode dumped to `out` (JSON lines)."""
     params = SamplingParams.of(cfg.rollout, temperature=cfg.eval_temperature, seed=cfg.eval_seed)
     t0 = time.time()
     metrics, trajs = evaluate(rollouts, eval_tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,
                               tuple(cfg.eval.pass_k))
-    dump_episodes(trajs, os.path.join(run_dir, f"episodes_step{step}.jsonl"))
+    dump_episodes(trajs, out)
     return {**metrics, "perf/eval_seconds": time.time() - t0}
 
 
@@ -245,12 +246,9 @@ def main(argv=None):
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
     engine = make_engine(cfg.rollout.engine, args.checkpoint, pad_id=tokenizer.token_to_id("<|endoftext|>"),
                          **{**engine_options(cfg), "seed": cfg.eval_seed})
-    params = SamplingParams.of(cfg.rollout, temperature=cfg.eval_temperature, seed=cfg.eval_seed)
     rollouts = LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
-    metrics, trajs = evaluate(rollouts, tasks, cfg.rollout.agent, params, cfg.eval_seed, cfg.eval.n_samples,
-                              tuple(cfg.eval.pass_k))
     out = args.out or os.path.join(args.checkpoint, "eval_episodes.jsonl")
-    dump_episodes(trajs, out)
+    metrics = {k: v for k, v in run_eval(cfg, rollouts, tasks, out).items() if not k.startswith("perf/")}
     print_metrics(metrics)
     print(f"episodes written to {out}")
     return metrics

@@ -328,7 +328,7 @@ def main(cfg: Config) -> dict:
     logger = Logger(run_dir, cfg, resume_step=start if resume else None, enabled=is_main())  # logs cut back to start
     schedule = build_schedule(cfg, rollouts, envs, start, resume)
     if start == 0 and is_main():
-        m = logger.log(0, run_eval(cfg, rollouts, eval_tasks, run_dir, 0))
+        m = logger.log(0, run_eval(cfg, rollouts, eval_tasks, os.path.join(run_dir, "episodes_step0.jsonl")))
         print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
 
     # --- the RL loop
@@ -378,7 +378,7 @@ def main(cfg: Config) -> dict:
         # 5. eval, log, checkpoint
         if is_main():
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                metrics.update(run_eval(cfg, rollouts, eval_tasks, run_dir, step))
+                metrics.update(run_eval(cfg, rollouts, eval_tasks, os.path.join(run_dir, f"episodes_step{step}.jsonl")))
             logger.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
