@@ -146,7 +146,8 @@ def bench_decode(model, tmp: str, device, dtype, size: dict) -> dict:
         transformers = None
     if transformers is not None:
         save_model(model, tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+        hf = hf.to(device=device, dtype=dtype).eval()        # older transformers ignore dtype= (torch_dtype=)
         L = max(map(len, prompts))
         ids = torch.zeros(len(prompts), L, dtype=torch.long)
         mask = torch.zeros(len(prompts), L, dtype=torch.long)
