@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 import algos
-from chat import IM_END, encode, make_action, parse_assistant_message, render, render_continuation
+from chat import encode, make_action, parse_assistant_message, render, render_continuation, turn_ends
 from env import Action, Env, Task, mix_seed
 
 
@@ -49,7 +49,7 @@ class AgentConfig:
     n_samples: int = 8                 # episodes per task (a GRPO group)
     max_turns: int = 4                 # assistant turns per episode at most
     max_total_tokens: int = 512        # whole trajectory (prompt + all turns) at most
-    chat_format: str = "qwen2.5"       # "qwen2.5" (stable re-rendering) | "qwen3" (chat.CHAT_FORMATS)
+    chat_format: str = "qwen2.5"       # "qwen2.5" (stable re-rendering) | "qwen3" | "llama3" (chat.CHAT_FORMATS)
     enable_thinking: bool | None = None  # qwen3 only: False = empty think block in every generation prompt
 
 
@@ -190,10 +190,10 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     <|im_end|>, so no trajectory exceeds cfg.max_total_tokens (unless its prompt alone does: that episode
     then ends with no turn).
     """
-    im_end = tokenizer.token_to_id(IM_END)
-    if im_end is None:
-        raise ValueError(f"tokenizer has no {IM_END} token")
-    stop_ids = tuple(dict.fromkeys((im_end, *params.stop_token_ids)))
+    ends = [tokenizer.token_to_id(t) for t in turn_ends(cfg.chat_format)]  # <|im_end|>; llama3: eot, eom
+    if None in ends:
+        raise ValueError(f"tokenizer has no {turn_ends(cfg.chat_format)} tokens (chat_format {cfg.chat_format})")
+    stop_ids = tuple(dict.fromkeys((*ends, *params.stop_token_ids)))
 
     active = [i for i, t in enumerate(trajs) if not t.finish_reason]
     state_keys = {i: state_key(trajs[i].token_ids) for i in active}    # the first prompt: the task's start state
@@ -208,7 +208,7 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
         actions = []
         for i, budget, gen in zip(active, budgets, gens):
             trajs[i].turn_states.append(state_keys[i])
-            actions.append(_add_turn(trajs[i], gen, budget, stop_ids, im_end, tokenizer))
+            actions.append(_add_turn(trajs[i], gen, budget, stop_ids, ends, tokenizer, cfg.chat_format))
         results = step_many([(trajs[i].task.env, states[i], a) for i, a in zip(active, actions)])
         still_active = []
         for i, result in zip(active, results):
@@ -223,7 +223,8 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     return trajs
 
 
-def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, im_end: int, tokenizer) -> Action:
+def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, ends: list[int], tokenizer,
+              chat_format: str) -> Action:
     """One generation appended to its episode (cut to the episode's budget and at its first stop token; closed with a
     forced <|im_end|> when it was cut) -> the Action parsed from its text."""
     ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
@@ -236,16 +237,16 @@ def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, im_end: int, 
     traj.turn_starts.append(len(traj.token_ids))
     traj.extend(ids, sampled=True, logprobs=lps, versions=(getattr(gen, "versions", None) or [])[:len(ids)],
                 kept_sizes=gen.kept_sizes[:len(ids)])       # empty sizes: not truncated
-    if not ids or ids[-1] != im_end:
+    if not ids or ids[-1] not in ends:
         # cut by max_tokens (or stopped by another stop token): close the turn so the conversation
         # stays well formed. Forced, not sampled: mask 0, so the policy is not trained on it.
-        traj.extend([im_end])
+        traj.extend([ends[0]])
     text = tokenizer.decode(content_ids, skip_special_tokens=False)
-    action = make_action(text)
+    action = make_action(text, chat_format)
     traj.num_turns += 1
     traj.num_tool_calls += len(action.tool_calls)
     traj.empty_responses += not text.strip()
-    traj.messages.append(parse_assistant_message(text))
+    traj.messages.append(parse_assistant_message(text, chat_format))
     return action
 
 

@@ -11,11 +11,14 @@ The agent loop (agent.py) owns the tokens; this file owns the text they encode:
   parse_assistant_message(text)   -> the OpenAI-style message that render() writes back as exactly `text`.
 The tool-call syntax has one writer (tool_call_text) that render() and the parser's canonical check share.
 
-Chat formats:
+Chat formats (CHAT_FORMATS; the Qwen ones are written here, the others in a wing file reached by name through
+WING_FORMATS, which defines the same functions: render, render_continuation, make_action, parse_assistant_message,
+and TURN_ENDS):
   "qwen2.5": ChatML with Qwen's tool section. Stable: rendering a longer conversation never changes the
              text of earlier turns, so a trajectory also equals render(messages) tokenized (for a
              tokenizer whose merges do not cross the turn boundaries). The embedded default model uses it.
   "qwen3":   byte-equal to the chat template that Qwen3 checkpoints ship (tests compare with jinja2).
+  "llama3":  Llama 3.1 / 3.2 Instruct, JSON tool calls (chat_llama3.py, docs/chat_formats.md).
 WHY qwen2.5 is the default: Qwen3's template drops the (empty) think block from assistant turns before the last
 one and adds one to the last, so a re-rendered multi-turn conversation is not the text the engine saw when it
 sampled each turn. In "qwen2.5" every turn renders the same whatever follows, so re-rendering a finished
@@ -23,8 +26,10 @@ conversation (SFT data, evaluation dumps, debugging) gives back exactly what the
 (agent.play_episodes) makes RL trajectories exact for either format.
 
 Sections: chat formatting | tool-call parsing | the lenient JSON reader.
-Imports: env.py only (ToolCall, Action and the message dict), and the standard library.
+Imports: env.py only (ToolCall, Action and the message dict), and the standard library (a wing format's file is
+imported by name, with importlib, when a run asks for it).
 """
+import importlib
 import json
 import re
 from typing import NamedTuple
@@ -35,8 +40,12 @@ from env import Action, ToolCall, assistant_message
 # -----------------------------------------------------------------------------
 # chat formatting
 
-CHAT_FORMATS = ("qwen2.5", "qwen3")
+# formats written in a wing file, reached by name ("format" -> "module"), as rollout.wing reaches a wing: a run in
+# another format never imports the file
+WING_FORMATS = {"llama3": "chat_llama3"}
+CHAT_FORMATS = ("qwen2.5", "qwen3", *WING_FORMATS)
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+PAD_TOKENS = ("<|endoftext|>", "<|finetune_right_pad_id|>")  # Qwen's, Llama 3.1's: pad_token_id takes the first
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 # The tool section is the same text in Qwen2.5 and Qwen3 (Qwen3 writes the system content + "\n\n" first).
 _TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -45,6 +54,29 @@ _TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with 
                "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
                "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n")
 _EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def _format_module(chat_format: str):
+    """The wing module that implements `chat_format` (imported now), or None for a format written in this file."""
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"unknown chat_format {chat_format!r}, expected one of {CHAT_FORMATS}")
+    return importlib.import_module(WING_FORMATS[chat_format]) if chat_format in WING_FORMATS else None
+
+
+def turn_ends(chat_format: str) -> tuple[str, ...]:
+    """The special tokens that end an assistant turn in `chat_format`: each stops a generation, and the first is the
+    one the agent appends (mask 0) to close a turn that was cut."""
+    wing = _format_module(chat_format)
+    return wing.TURN_ENDS if wing else (IM_END,)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id a batch is padded with: the first of PAD_TOKENS that the tokenizer has (any id would do, padding is
+    masked everywhere; this one never ends a turn)."""
+    for token in PAD_TOKENS:
+        if tokenizer.token_to_id(token) is not None:
+            return tokenizer.token_to_id(token)
+    raise ValueError(f"the tokenizer has none of the padding tokens {PAD_TOKENS}")
 
 
 def _tojson(x) -> str:
@@ -71,10 +103,11 @@ def render(messages: list[dict], tools: list[dict] | None = None, add_generation
     "qwen3" is byte-equal to the chat template Qwen3 checkpoints ship; "qwen2.5" is byte-equal to the jinja
     template sft.py writes into the default model's tokenizer_config.json. Both are tested against jinja2.
     enable_thinking is Qwen3's switch: False puts an empty think block after the generation prompt; it is ignored
-    by "qwen2.5".
+    by "qwen2.5". A wing format (WING_FORMATS) is rendered by its own file.
     """
-    if chat_format not in CHAT_FORMATS:
-        raise ValueError(f"unknown chat_format {chat_format!r}, expected one of {CHAT_FORMATS}")
+    wing = _format_module(chat_format)
+    if wing:
+        return wing.render(messages, tools, add_generation_prompt)
     qwen3 = chat_format == "qwen3"
     has_system = bool(messages) and messages[0]["role"] == "system"
     out = []
@@ -150,9 +183,12 @@ def render_continuation(obs_messages: list[dict], chat_format: str = "qwen2.5",
     (+ the empty think block for qwen3 with enable_thinking False).
 
     Cut out of render() itself (a dummy user/assistant exchange, then the observations) so the
-    continuation and the full rendering cannot diverge. Valid for both formats because neither renders
-    a tool or user turn differently depending on what came before it.
+    continuation and the full rendering cannot diverge. Valid for both Qwen formats because neither renders
+    a tool or user turn differently depending on what came before it. A wing format cuts its own.
     """
+    wing = _format_module(chat_format)
+    if wing:
+        return wing.render_continuation(obs_messages)
     prefix = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PREFIX_SENTINEL}]
     text = render(prefix + list(obs_messages), add_generation_prompt=True, chat_format=chat_format,
                   enable_thinking=enable_thinking)
@@ -219,20 +255,28 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     return split.calls, split.error
 
 
-def make_action(text: str) -> Action:
-    """The env.Action of one decoded assistant message (stop token already removed)."""
+def make_action(text: str, chat_format: str = "qwen2.5") -> Action:
+    """The env.Action of one decoded assistant message (stop token already removed), read with the tool-call
+    syntax of `chat_format` (the Qwen formats' <tool_call> blocks here, a wing format's own parser)."""
+    wing = _format_module(chat_format)
+    if wing:
+        return wing.make_action(text)
     calls, error = parse_tool_calls(text)
     return Action(text=text, tool_calls=tuple(calls), parse_error=error)
 
 
-def parse_assistant_message(text: str) -> dict:
-    """The OpenAI-style assistant message of a decoded completion, such that render() gives `text` back.
+def parse_assistant_message(text: str, chat_format: str = "qwen2.5") -> dict:
+    """The OpenAI-style assistant message of a decoded completion, such that render() gives `text` back (a wing
+    format: its own parse_assistant_message).
 
     tool_calls = the calls of the blocks that end the message exactly as render() writes them
     (canonical JSON, one "\n" between blocks and before the first); content = the text before them.
     Any other block, well-formed or not, stays in the content verbatim, so the message re-renders to
     the very text the policy produced (qwen2.5): what SFT data, evaluation dumps and replays need.
     """
+    wing = _format_module(chat_format)
+    if wing:
+        return wing.parse_assistant_message(text)
     split = _split_tool_calls(text)
     return assistant_message(split.content, split.content_calls)
 

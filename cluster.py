@@ -18,7 +18,7 @@ Two independent uses, each off unless asked for:
 A wing: train.py reaches it by name (rollout.wing) when ray.rollout_workers or ray.learner_workers is set; its
 settings are config.RayConfig. `ray` is imported only inside the functions that use it, and the engines only inside
 RolloutWorker, so importing this file needs neither. Docs: docs/scaling.md.
-Imports: agent.py, env.py and config.py (and torch, the standard library; ray, tokenizers and rollout.py where used).
+Imports: agent.py, chat.py (pad_token_id), env.py and config.py (and torch, the standard library; ray, tokenizers and rollout.py where used).
 """
 import dataclasses
 import os
@@ -30,6 +30,7 @@ import torch
 
 from agent import (AgentConfig, StepResult, Trajectory, finish_episodes, init_episodes, play_episodes, run_episodes,
                    step_envs)
+from chat import pad_token_id
 from config import DISPATCHERS
 from env import Action, Env, Task, make_env, mix_seed
 
@@ -92,7 +93,7 @@ class RolloutWorker:
         self.tokenizer = Tokenizer.from_file(os.path.join(spec.model_dir, "tokenizer.json"))
         if spec.engine not in ("torch", "vllm"):
             raise ValueError(f"RolloutWorker: engine {spec.engine!r} is not 'torch' or 'vllm'")
-        self.engine = make_engine(spec.engine, spec.model_dir, pad_id=self.tokenizer.token_to_id("<|endoftext|>"),
+        self.engine = make_engine(spec.engine, spec.model_dir, pad_id=pad_token_id(self.tokenizer),
                                   **spec.engine_kwargs)
         self.envs = {name: make_env(name, **kwargs) for name, kwargs in spec.envs}
         self.step_many = None          # env steps in this process, unless use_env_workers gives an EnvPool

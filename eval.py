@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 
 from agent import AgentConfig, LocalRollouts, Trajectory
+from chat import pad_token_id
 from env import Action, Env, Task, ToolCall, make_env, mix_seed
 from rollout import SamplingParams
 
@@ -244,7 +245,7 @@ def main(argv=None):
     # the engine loads the checkpoint folder (torch, vllm) or talks to a server that serves it (openai: the folder
     # then only gives the tokenizer)
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
-    engine = make_engine(cfg.rollout.engine, args.checkpoint, pad_id=tokenizer.token_to_id("<|endoftext|>"),
+    engine = make_engine(cfg.rollout.engine, args.checkpoint, pad_id=pad_token_id(tokenizer),
                          **{**engine_options(cfg), "seed": cfg.eval_seed})
     rollouts = LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
     out = args.out or os.path.join(args.checkpoint, "eval_episodes.jsonl")

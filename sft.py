@@ -33,7 +33,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from agent import pad_right, run_episodes
-from chat import encode, render
+from chat import encode, render, turn_ends
 from distributed import barrier, is_main
 from env import make_env
 from learner import LearnerConfig, make_learner, sft_step
@@ -51,15 +51,16 @@ PRETOKENIZE = r"\p{N}|\n"
 # -----------------------------------------------------------------------------
 # tokenizer
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE over the texts, special tokens first (ids 0..8), never split or merged."""
+def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
+    """Byte-level BPE over the texts, special tokens first (ids 0..8 for Qwen's; chat_llama3.SPECIAL_TOKENS for a
+    llama3 tokenizer), never split or merged."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return tok
@@ -68,7 +69,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: Tokenizer,
                           chat_format: str) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a demonstration, cut into spans exactly where the agent loop cuts a
-    rollout: prompt / assistant turn (content + <|im_end|>, mask 1) / observations + next prompt (mask 0).
+    rollout: prompt / assistant turn (content + its end token, <|im_end|> or <|eot_id|>, mask 1) / observations +
+    next prompt (mask 0).
     So SFT trains on the very token sequences the policy will later be asked to produce."""
     full = render(messages, tools, chat_format=chat_format)
     bounds = []                                                   # (start, end) character span of each assistant turn
@@ -77,9 +79,10 @@ def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: To
             continue
         before = render(messages[:i], tools, add_generation_prompt=True, chat_format=chat_format)
         after = render(messages[:i + 1], tools, chat_format=chat_format)
-        if not (full.startswith(before) and full.startswith(after) and after.endswith("<|im_end|>\n")):
+        end = len(after.rstrip("\n"))                             # the turn ends at its end token, before any "\n"
+        if not (full.startswith(before) and full.startswith(after) and after[:end].endswith(turn_ends(chat_format))):
             raise ValueError(f"chat format {chat_format!r} re-renders earlier turns; cannot cut turn {i}")
-        bounds.append((len(before), len(after) - 1))              # the turn ends at <|im_end|>, before "\n"
+        bounds.append((len(before), end))
     ids, mask, pos = [], [], 0
     for start, end in bounds:
         for text, m in ((full[pos:start], 0), (full[start:end], 1)):
@@ -119,6 +122,10 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     """Return the folder of the embedded default model for this config, building it if it is not cached.
     `cfg` is config.Config; only cfg.sft, cfg.envs, cfg.rollout and cfg.model.cache_dir are read."""
     sft, agent_cfg = cfg.sft, cfg.rollout.agent
+    if agent_cfg.chat_format != "qwen2.5":                        # refused before any work, not after the SFT
+        raise ValueError(f"the embedded default model speaks chat_format 'qwen2.5' (Qwen's chat tokens), not "
+                         f"{agent_cfg.chat_format!r}: set model.path to a checkpoint of that family "
+                         f"(docs/chat_formats.md)")
     if sft.seed is None:                                          # follow the run's seed
         sft = dataclasses.replace(sft, seed=cfg.seed)
     out = os.path.join(cfg.model.cache_dir, default_model_dir(cfg, sft))

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import algos
 from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
+from chat import pad_token_id
 from config import Config, config_exit, engine_options, learner_configs, load_config
 from distributed import broadcast_object, cleanup_distributed, get_world_size, init_distributed, is_main, shard_model
 from env import make_env, mix_seed, sample_mixture
@@ -277,7 +278,7 @@ def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_mo
     built here; `weights` pushed first when the learner is not the base model (a resumed run; LoRA's merged weights)."""
     if cfg.ray.rollout_workers:
         return wing("cluster.start_ray_rollouts")(cfg, model_dir, envs, engine_options(cfg), weights)
-    engine = make_engine(cfg.rollout.engine, model_dir, pad_id=tokenizer.token_to_id("<|endoftext|>"),
+    engine = make_engine(cfg.rollout.engine, model_dir, pad_id=pad_token_id(tokenizer),
                          model=engine_model, **engine_options(cfg))
     if weights is not None:
         engine.update_weights(weights)
@@ -313,7 +314,7 @@ def main(cfg: Config) -> dict:
     # --- build: model, tokenizer, learner; on rank 0 the envs, the rollout source and the held-out tasks
     model_dir = model_folder(cfg)                 # model.path, or the embedded default (sft.py builds it)
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    pad_id = tokenizer.token_to_id("<|endoftext|>")
+    pad_id = pad_token_id(tokenizer)
     learner_cfg, critic_cfg = learner_configs(cfg)   # the policy's and the critic's
     shared = shares_engine_model(cfg)             # the engine reads the policy's parameters: nothing to push
     policy, critic, engine_model = build_learner(cfg, model_dir, resume, learner_cfg, critic_cfg, shared)

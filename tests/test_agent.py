@@ -174,7 +174,7 @@ def test_transformers_apply_chat_template_agrees():
 
 def test_unknown_format_and_role():
     with pytest.raises(ValueError):
-        render([U1], chat_format="llama3")
+        render([U1], chat_format="llama2")
     with pytest.raises(ValueError):
         render([U1, {"role": "critic", "content": "x"}])
 
