@@ -48,7 +48,10 @@ from env import Action, Env, Task, mix_seed
 class AgentConfig:
     n_samples: int = 8                 # episodes per task (a GRPO group)
     max_turns: int = 4                 # assistant turns per episode at most
-    max_total_tokens: int = 512        # whole trajectory (prompt + all turns) at most
+    max_total_tokens: int = 512        # the context window: the whole trajectory (prompt, every turn and observation)
+                                       # at most (the third limit is rollout.max_tokens, tokens per turn)
+    max_episode_tokens: int = 0        # sampled tokens of an episode, all its turns together, at most (0: no limit but
+                                       # the context window)
     chat_format: str = "qwen2.5"       # "qwen2.5" (stable re-rendering) | "qwen3" | "llama3" (chat.CHAT_FORMATS)
     enable_thinking: bool | None = None  # qwen3 only: False = empty think block in every generation prompt
 
@@ -69,7 +72,7 @@ class Trajectory:
                                        # step), the judge's share added to the last; they sum to `reward`
     turn_starts: list[int] = field(default_factory=list)     # (K,) position of each assistant turn's first token
     turn_states: list[int] = field(default_factory=list)     # (K,) key of the state each turn acted from (state_key)
-    done: bool = False                 # the env ended the episode (False if cut by max_turns/budget or env error)
+    done: bool = False                 # the env ended the episode (False if cut by max_turns, a limit, an env error)
     num_turns: int = 0                 # assistant turns generated
     num_tool_calls: int = 0            # tool calls parsed from the assistant turns
     parse_failures: int = 0            # assistant turns with a malformed tool call (summed from the env's info)
@@ -77,7 +80,12 @@ class Trajectory:
     tool_timeouts: int = 0             # tool calls that timed out (summed from the env's info)
     env_errors: int = 0                # env.step raised (ends the episode, reward 0)
     empty_responses: int = 0           # assistant turns whose content is blank
-    finish_reason: str = ""            # "done" | "max_turns" | "max_tokens" | "env_error"
+    finish_reason: str = ""            # "done" | "max_turns" | "episode_tokens" (max_episode_tokens sampled) |
+                                       # "context_full" (no room for the next turn in max_total_tokens) | "env_error"
+    truncated_turns: int = 0           # assistant turns cut by rollout.max_tokens (the per-turn limit) before a stop
+    truncated_episode: bool = False    # a turn was cut, or the episode ended, at agent.max_episode_tokens
+    context_full: bool = False         # a turn was cut, an observation left out or the first prompt too long: the
+                                       # context window (agent.max_total_tokens) was full
     info: dict = field(default_factory=dict)  # the last env info (or {"error": ...} after an env error)
     versions: list[int] = field(default_factory=list)  # (T,) weight version (updates seen) of the weights that
                                        # sampled each token, -1 on tokens not sampled; -1 also where the engine does
@@ -96,6 +104,12 @@ class Trajectory:
         self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * n
         self.versions += list(versions) if versions else [-1] * n
         self.kept_sizes += list(kept_sizes) if kept_sizes else [0] * n
+
+    @property
+    def length_cut(self) -> bool:
+        """A length limit cut this episode (a turn, the episode's sampled tokens or the context window): what
+        algo.truncation treats. max_turns is not one: it is the env's horizon, not a cut answer."""
+        return bool(self.truncated_turns or self.truncated_episode or self.context_full)
 
 
 class StepResult(NamedTuple):
@@ -144,7 +158,7 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
                   seed: int) -> tuple[list[Trajectory], list]:
     """env.reset of cfg.n_samples episodes per task and their first prompt, rendered and encoded ->
     (trajectories holding only that prompt, group-major; the env states). An episode whose prompt leaves no room
-    for a turn already has finish_reason "max_tokens"."""
+    for a turn already has finish_reason "context_full"."""
     trajs, states, prompt_cache = [], [], {}
     for g, task in enumerate(tasks):
         env = envs[task.env]
@@ -159,7 +173,7 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
                               prompt_len=len(ids), messages=list(msgs))
             traj.extend(ids)
             if len(ids) + _MIN_ROOM > cfg.max_total_tokens:
-                traj.finish_reason = "max_tokens"
+                traj.finish_reason, traj.context_full = "context_full", True
             trajs.append(traj)
             states.append(state)
     return trajs, states
@@ -179,6 +193,18 @@ def state_key(state) -> int:
 _MIN_ROOM = 2
 
 
+def turn_room(traj: Trajectory, cfg: AgentConfig, max_tokens: int) -> dict[str, int]:
+    """The three length limits, as the tokens each leaves the next turn to sample: "turn" (rollout.max_tokens),
+    "episode" (agent.max_episode_tokens less the tokens already sampled; absent at 0) and "context"
+    (agent.max_total_tokens less the trajectory so far, one slot kept for a forced <|im_end|>). The turn's budget is
+    the smallest; a turn cut at it is counted against the first limit, in this order, that equals it."""
+    room = {"turn": max_tokens}
+    if cfg.max_episode_tokens:
+        room["episode"] = cfg.max_episode_tokens - sum(traj.loss_mask)
+    room["context"] = cfg.max_total_tokens - len(traj.token_ids) - 1
+    return room
+
+
 def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg: AgentConfig,
                   params, seed: int, step_many) -> list[Trajectory]:
     """The multi-turn loop over init_episodes' output, extending the trajectories in place (also returned).
@@ -188,7 +214,8 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     largest budget of the batch, and each generation is cut to its own episode's budget afterwards (its kept
     tokens are a valid sample: sampling is causal). One token of each budget is kept free for a forced
     <|im_end|>, so no trajectory exceeds cfg.max_total_tokens (unless its prompt alone does: that episode
-    then ends with no turn).
+    then ends with no turn). A turn's budget is the tightest of the three length limits (turn_room); a turn cut at
+    it is counted by the limit that cut it (Trajectory.truncated_turns, truncated_episode, context_full).
     """
     ends = [tokenizer.token_to_id(t) for t in turn_ends(cfg.chat_format)]  # <|im_end|>; llama3: eot, eom
     if None in ends:
@@ -199,16 +226,17 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     state_keys = {i: state_key(trajs[i].token_ids) for i in active}    # the first prompt: the task's start state
     turn = 0
     while active:
-        budgets = [min(params.max_tokens, cfg.max_total_tokens - len(trajs[i].token_ids) - 1) for i in active]
+        rooms = [turn_room(trajs[i], cfg, params.max_tokens) for i in active]
+        budgets = [min(room.values()) for room in rooms]
         call = replace(params, n=1, max_tokens=max(budgets), stop_token_ids=stop_ids,
                        seed=mix_seed(seed, turn))   # reproducible runs: the engine's RNG comes from (seed, turn)
         gens = engine.generate([list(trajs[i].token_ids) for i in active], call)   # copies: we extend ours in place
         if len(gens) != len(active):
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
         actions = []
-        for i, budget, gen in zip(active, budgets, gens):
+        for i, room, gen in zip(active, rooms, gens):
             trajs[i].turn_states.append(state_keys[i])
-            actions.append(_add_turn(trajs[i], gen, budget, stop_ids, ends, tokenizer, cfg.chat_format))
+            actions.append(_add_turn(trajs[i], gen, room, stop_ids, ends, tokenizer, cfg.chat_format))
         results = step_many([(trajs[i].task.env, states[i], a) for i, a in zip(active, actions)])
         still_active = []
         for i, result in zip(active, results):
@@ -223,10 +251,12 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
     return trajs
 
 
-def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, ends: list[int], tokenizer,
+def _add_turn(traj: Trajectory, gen, room: dict[str, int], stop_ids: tuple, ends: list[int], tokenizer,
               chat_format: str) -> Action:
-    """One generation appended to its episode (cut to the episode's budget and at its first stop token; closed with a
-    forced <|im_end|> when it was cut) -> the Action parsed from its text."""
+    """One generation appended to its episode (cut to the episode's budget, the least of `room`, and at its first stop
+    token; closed with a forced <|im_end|> when it was cut, and the cut counted by the limit that made it) -> the
+    Action parsed from its text."""
+    budget = min(room.values())
     ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
     for k, t in enumerate(ids):                # keep up to the first stop token (an engine may run past it)
         if t in stop_ids:
@@ -234,6 +264,14 @@ def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, ends: list[in
             break
     stopped = bool(ids) and ids[-1] in stop_ids
     content_ids = ids[:-1] if stopped else ids
+    if not stopped:                            # cut: by the first limit at the budget (an engine that stopped short
+        limit = next(k for k, v in room.items() if v == budget) if len(ids) >= budget else "turn"  # on its own: turn)
+        if limit == "turn":
+            traj.truncated_turns += 1
+        elif limit == "episode":
+            traj.truncated_episode = True
+        else:
+            traj.context_full = True
     traj.turn_starts.append(len(traj.token_ids))
     traj.extend(ids, sampled=True, logprobs=lps, versions=(getattr(gen, "versions", None) or [])[:len(ids)],
                 kept_sizes=gen.kept_sizes[:len(ids)])       # empty sizes: not truncated
@@ -252,7 +290,9 @@ def _add_turn(traj: Trajectory, gen, budget: int, stop_ids: tuple, ends: list[in
 
 def _add_step(traj: Trajectory, result: "StepResult", tokenizer, cfg: AgentConfig) -> list[int] | None:
     """The env's step appended to its episode: reward, counters, and the observation's tokens when the episode goes
-    on -> those tokens, or None when it ends here (done, an env error, max_turns, no room left)."""
+    on -> those tokens, or None when it ends here (done, an env error, max_turns, no room left: the episode's sampled
+    tokens at max_episode_tokens, or the observation and one more token past the context window; an observation
+    that does not fit is left out whole, never cut)."""
     state, obs, reward, done, info, error = result
     if error is not None:                      # a broken env ends this episode, not the whole batch
         traj.env_errors += 1
@@ -273,10 +313,13 @@ def _add_step(traj: Trajectory, result: "StepResult", tokenizer, cfg: AgentConfi
     if traj.num_turns >= cfg.max_turns:
         traj.finish_reason = "max_turns"
         return None
+    if cfg.max_episode_tokens and sum(traj.loss_mask) >= cfg.max_episode_tokens:
+        traj.finish_reason, traj.truncated_episode = "episode_tokens", True
+        return None
     # only the new observation and the next generation prompt are rendered and appended
     cont = encode(tokenizer, render_continuation(obs, cfg.chat_format, cfg.enable_thinking))
     if len(traj.token_ids) + len(cont) + _MIN_ROOM > cfg.max_total_tokens:
-        traj.finish_reason = "max_tokens"      # no room to answer this observation: leave it out
+        traj.finish_reason, traj.context_full = "context_full", True   # no room to answer it: leave it out
         return None
     traj.extend(cont)
     traj.messages += list(obs)
@@ -357,6 +400,8 @@ class RolloutBatch:
     kept_sizes: torch.Tensor | None = None  # (B, T) long, size of the top-k / top-p set token t was drawn from (-1:
                                        # not reported, the learner infers it; 0: whole vocabulary, and where mask is
                                        # 0); None: all 0
+    length_cut: torch.Tensor | None = None  # (B,) bool, a length limit cut the episode (Trajectory.length_cut);
+                                       # None: none was
 
 
 def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
@@ -376,6 +421,7 @@ def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
         turn_index=_turn_index([t.turn_starts for t in trajs], loss_mask),               # (B, T)
         turn_states=pad_right([t.turn_states or [-1] for t in trajs], -1, torch.long),   # (B, K)
         lengths=torch.tensor([len(t.token_ids) for t in trajs], dtype=torch.long),       # (B,)
+        length_cut=torch.tensor([t.length_cut for t in trajs], dtype=torch.bool),        # (B,)
     )
 
 
@@ -401,9 +447,12 @@ def pad_right(rows: list[list], value, dtype: torch.dtype) -> torch.Tensor:
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
     """Means over episodes, namespaced "rollout/...":
     reward, num_turns, tool_calls, response_tokens (sampled tokens), total_tokens, parse_failures,
-    tool_errors, tool_timeouts, env_errors, empty_responses (all per episode); truncated (fraction cut by
-    max_turns or max_tokens); frac_groups_mixed (fraction of the groups of `group_size` whose rewards are not all
-    equal: only those carry a GRPO signal); and "rollout/<env>/reward" per env when the batch mixes envs."""
+    tool_errors, tool_timeouts, env_errors, empty_responses (all per episode); truncated (the fraction of episodes
+    the env did not end: cut by max_turns, max_episode_tokens or the context window); truncated_turn (the fraction of
+    assistant turns cut by rollout.max_tokens); truncated_episode and context_full (the fractions of episodes cut by
+    agent.max_episode_tokens, and by agent.max_total_tokens: a turn cut, an observation left out);
+    frac_groups_mixed (fraction of the groups of `group_size` whose rewards are not all equal: only those carry a
+    GRPO signal); and "rollout/<env>/reward" per env when the batch mixes envs."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -422,7 +471,10 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/tool_timeouts": mean([t.tool_timeouts for t in trajs]),
         "rollout/env_errors": mean([t.env_errors for t in trajs]),
         "rollout/empty_responses": mean([t.empty_responses for t in trajs]),
-        "rollout/truncated": sum(t.finish_reason in ("max_turns", "max_tokens") for t in trajs) / n,
+        "rollout/truncated": sum(t.finish_reason in ("max_turns", "episode_tokens", "context_full") for t in trajs) / n,
+        "rollout/truncated_turn": sum(t.truncated_turns for t in trajs) / max(1, sum(t.num_turns for t in trajs)),
+        "rollout/truncated_episode": mean([t.truncated_episode for t in trajs]),
+        "rollout/context_full": mean([t.context_full for t in trajs]),
     }
     out["rollout/frac_groups_mixed"] = mean(mixed_groups(trajs, group_size))
     by_env: dict[str, list[float]] = {}

@@ -433,6 +433,28 @@ def overlong_penalty(lengths, max_len: int, cache_len: int):
     return ((max_len - cache_len - lengths.float()) / cache_len).clamp(-1.0, 0.0)
 
 
+TRUNCATION_KINDS = ("keep", "mask", "penalize")
+
+
+def truncation_treatment(rewards, mask, cut, kind: str = "keep", penalty: float = 1.0):
+    """What an episode cut by a length limit trains on. rewards (B,), mask (B, T), cut bool (B,) -> (rewards, mask),
+    new tensors where they change.
+
+        keep       R_i, as sampled: the cut answer is scored like any other
+        mask       no loss on row i's tokens (DAPO's overlong filtering, arXiv:2503.14476 sec. 3.4): its reward
+                   still enters its group's baseline, so the other rows' advantages are those of the whole group
+        penalize   R_i - penalty: a cut answer is worse than its score says (DAPO's overlong reward shaping with a
+                   flat step; algo.overlong_cache is the ramp over the context window)
+    """
+    if kind not in TRUNCATION_KINDS:
+        raise ValueError(f"unknown truncation treatment {kind!r}, expected one of {TRUNCATION_KINDS}")
+    if kind == "mask":
+        return rewards, mask * (~cut).to(mask.dtype)[:, None]                     # (B, T)
+    if kind == "penalize":
+        return rewards - penalty * cut.to(rewards.dtype), mask                    # (B,)
+    return rewards, mask
+
+
 # ----------------------------------------------------------------------------- REINFORCE++, distillation
 
 @torch.no_grad()

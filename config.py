@@ -110,6 +110,11 @@ class AlgoConfig:
     max_refill_rounds: int = 3       # extra rollout rounds at most per step when dynamic_sampling is on
     overlong_cache: int = 0          # DAPO soft overlong punishment: tokens before max_total_tokens where the
                                      # penalty ramps from 0 to -1 (0: off; algos.overlong_penalty)
+    truncation: str = "keep"         # what an episode cut by a length limit (a turn at rollout.max_tokens, the episode
+                                     # at agent.max_episode_tokens, the context at agent.max_total_tokens) trains on:
+                                     # keep (as sampled) | mask (no loss on its tokens) | penalize (reward less
+                                     # truncation_penalty) (algos.truncation_treatment; max_turns is not a cut)
+    truncation_penalty: float = 1.0  # truncation=penalize: subtracted from a cut episode's reward
     kl_in_reward: bool = False       # subtract learner.kl_coef * KL(policy || ref) from the reward instead of
                                      # adding it to the loss (needs learner.kl_coef > 0)
     gamma: float = 1.0               # discount over tokens: GAE (ppo) and REINFORCE++'s returns
@@ -357,6 +362,7 @@ def validate(cfg: Config) -> Config:
         ("learner.off_policy.kind", cfg.learner.off_policy.kind, algos.OFF_POLICY_KINDS),
         ("learner.off_policy.level", cfg.learner.off_policy.level, algos.OFF_POLICY_LEVELS),
         ("rollout.engine", cfg.rollout.engine, ENGINE_KINDS),
+        ("algo.truncation", cfg.algo.truncation, algos.TRUNCATION_KINDS),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
         ("ray.placement_strategy", cfg.ray.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
@@ -390,6 +396,11 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"algo.overlong_cache={cfg.algo.overlong_cache} must be >= 0 and at most "
                          f"rollout.agent.max_total_tokens={cfg.rollout.agent.max_total_tokens} (the penalty ramps over "
                          "the last overlong_cache tokens of the budget)")
+    if cfg.rollout.agent.max_episode_tokens < 0:
+        raise ValueError(f"rollout.agent.max_episode_tokens={cfg.rollout.agent.max_episode_tokens} must be >= 0 "
+                         "(0: no limit but the context window)")
+    if cfg.algo.truncation_penalty != 1.0 and cfg.algo.truncation != "penalize":
+        raise ValueError(f"algo.truncation_penalty applies to algo.truncation=penalize, not {cfg.algo.truncation!r}")
     if cfg.rollout.agent.enable_thinking is not None and cfg.rollout.agent.chat_format != "qwen3":
         raise ValueError(f"rollout.agent.enable_thinking applies to rollout.agent.chat_format=qwen3 only (the format "
                          f"with a think block), not {cfg.rollout.agent.chat_format!r}: leave it unset")

@@ -126,6 +126,9 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     (pi_old), the reference policy's (for the KL, in the reward or in the loss) and the teacher's (distillation)."""
     lc, G, mask, metrics = cfg.learner, cfg.rollout.agent.n_samples, batch.loss_mask, {}
     rewards = batch.rewards.clone()                                                # (B,)
+    if batch.length_cut is not None:                                               # keep, mask or penalize the
+        rewards, mask = algos.truncation_treatment(rewards, mask, batch.length_cut,   # episodes a length limit cut
+                                                   cfg.algo.truncation, cfg.algo.truncation_penalty)
     if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
         rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
     # top-k / top-p: the policy is scored on the truncated sets it sampled from (vLLM's sizes are inferred here);

@@ -528,7 +528,7 @@ def test_token_budget_ends_episodes(tok):
     cfg = AgentConfig(n_samples=1, max_turns=10, max_total_tokens=budget)
     trajs = run_episodes(engine, {"calc": env}, [short, long_], tok, cfg, SamplingParams(max_tokens=500), seed=0)
     for tr in trajs:
-        assert tr.finish_reason == "max_tokens" and not tr.done and tr.reward == 0.0
+        assert tr.finish_reason == "context_full" and tr.context_full and not tr.done and tr.reward == 0.0
         assert len(tr.token_ids) <= budget and tr.num_turns >= 1
     # one call per turn; it asks for the largest remaining budget (one token kept for a forced <|im_end|>)
     assert engine.calls[0][1].max_tokens == budget - P_short - 1
@@ -537,7 +537,142 @@ def test_token_budget_ends_episodes(tok):
     # a prompt longer than the budget: no turn at all
     cfg = replace(cfg, max_total_tokens=P_short)
     (tr,) = run_episodes(ScriptedEngine(tok, {}), {"calc": env}, [short], tok, cfg, SamplingParams(), seed=0)
-    assert (tr.num_turns, tr.finish_reason, sum(tr.loss_mask)) == (0, "max_tokens", 0)
+    assert (tr.num_turns, tr.finish_reason, tr.context_full, sum(tr.loss_mask)) == (0, "context_full", True, 0)
+
+
+LONG_THOUGHT = "Let me think about this carefully before I call the tool. " * 3
+
+
+def test_three_length_limits_are_counted_by_kind(tok):
+    """rollout.max_tokens cuts a turn, agent.max_episode_tokens the episode's sampled tokens, agent.max_total_tokens
+    the context: each cut is counted against the limit that made it, and ends what it should."""
+    task = calc_task(0, 2, 3)
+    script = {task.prompt: [call_text(2, 3, content=LONG_THOUGHT), "ANSWER: 5"]}
+    env = {"calc": CalcEnv()}
+    P = len(encode(tok, render(CalcEnv().reset(task, 0)[1], CalcEnv.TOOLS, add_generation_prompt=True)))
+    L1 = len(encode(tok, call_text(2, 3, content=LONG_THOUGHT) + "<|im_end|>"))     # the first reply, stopped
+    roomy = AgentConfig(n_samples=1, max_turns=3, max_total_tokens=4096)
+
+    def play(cfg, max_tokens=500):
+        (tr,) = run_episodes(ScriptedEngine(tok, script), env, [task], tok, cfg, SamplingParams(max_tokens=max_tokens),
+                             seed=0)
+        return tr, rollout_metrics([tr], 1)
+
+    tr, m = play(roomy)                                        # no limit binds: two turns, the tool, the answer
+    assert (tr.finish_reason, tr.reward, tr.truncated_turns, tr.truncated_episode, tr.context_full) == (
+        "done", 1.0, 0, False, False) and not tr.length_cut
+    assert (m["rollout/truncated_turn"], m["rollout/truncated_episode"], m["rollout/context_full"]) == (0, 0, 0)
+    # the turn limit: the first reply is cut (no tool call left in it), the env scores it and ends the episode
+    tr, m = play(roomy, max_tokens=10)
+    assert (tr.finish_reason, tr.num_turns, tr.truncated_turns, tr.truncated_episode, tr.context_full) == (
+        "done", 1, 1, False, False) and tr.length_cut
+    assert sum(tr.loss_mask) == 10 and tr.loss_mask[-1] == 0           # ten sampled tokens, then a forced <|im_end|>
+    assert (m["rollout/truncated_turn"], m["rollout/truncated"]) == (1.0, 0.0)
+    # the episode limit, reached exactly by the first turn: the episode ends before the tool's answer is rendered
+    tr, m = play(replace(roomy, max_episode_tokens=L1))
+    assert (tr.finish_reason, tr.num_turns, tr.truncated_turns, tr.truncated_episode, tr.context_full) == (
+        "episode_tokens", 1, 0, True, False)
+    assert tr.token_ids[-1] == tok.token_to_id("<|im_end|>") and len(tr.token_ids) == P + L1
+    assert (m["rollout/truncated_episode"], m["rollout/truncated"], m["rollout/truncated_turn"]) == (1.0, 1.0, 0.0)
+    # the episode limit in the middle of the second turn: that turn is cut at it (the per-turn limit is roomier)
+    tr, _ = play(replace(roomy, max_episode_tokens=L1 + 2))
+    assert sum(tr.loss_mask) == L1 + 2 and (tr.truncated_episode, tr.truncated_turns, tr.num_turns) == (True, 0, 2)
+    # the context: a window that leaves the first turn 5 tokens is a context cut, not a turn cut
+    tr, m = play(replace(roomy, max_total_tokens=P + 6))
+    assert (tr.num_turns, tr.truncated_turns, tr.truncated_episode, tr.context_full) == (1, 0, False, True)
+    assert len(tr.token_ids) == P + 6 and m["rollout/context_full"] == 1.0
+    # a tie between the turn limit and the context's room counts against the turn limit (the first in turn_room)
+    tr, _ = play(replace(roomy, max_total_tokens=P + 6), max_tokens=5)
+    assert (tr.truncated_turns, tr.context_full) == (1, False)
+
+
+class CharwiseEngine(ScriptedEngine):
+    """A ScriptedEngine whose replies are tokenized one character at a time: the same text, but not the ids that
+    encoding it gives (BPE would merge them), so a trajectory that re-tokenized any text would show it."""
+
+    def generate(self, prompts, params):
+        out = []
+        for p, g in zip(prompts, super().generate(prompts, params)):
+            text = self.tok.decode(g.token_ids, skip_special_tokens=False)
+            chars = ([c for c in text[:-len("<|im_end|>")]] + ["<|im_end|>"]) if text.endswith("<|im_end|>") else \
+                list(text)
+            ids = [i for c in chars for i in encode(self.tok, c)][:params.max_tokens]
+            self.replies[tuple(p)] = ids
+            out.append(Generation(token_ids=ids, logprobs=[fake_logprob(t) for t in ids],
+                                  finish_reason="stop" if ids and ids[-1] in params.stop_token_ids else "length"))
+        return out
+
+
+class LongObsEnv(CalcEnv):
+    """CalcEnv whose tool answers are long, with unicode, runs of spaces and newlines (many BPE merge boundaries)."""
+    OBS = "Result:  5\n" + "数学 ✓ — the sum  of the numbers,\tchecked twice.\n" * 12
+
+    def step(self, state, action):
+        state, obs, reward, done, info = super().step(state, action)
+        return state, [dict(o, content=self.OBS + o["content"]) for o in obs], reward, done, info
+
+
+@pytest.mark.parametrize("tight", [False, True])
+def test_long_observations_train_on_exactly_the_sampled_tokens(tok, tight):
+    """Long observations, replies tokenized in a way BPE would not: every sampled token reaches the learner's batch
+    as the engine returned it (ids and log-probs, mask 1, nothing dropped, nothing re-tokenized), every other token is
+    the prompt, a forced <|im_end|> or an observation rendered once, and an observation that does not fit is left out
+    whole (the context counter says so), never cut."""
+    tasks = [calc_task(0, 2, 3), calc_task(1, 40, 17)]
+    engine = CharwiseEngine(tok, {t.prompt: three_turn_script(int(t.prompt.split()[1]), int(t.prompt.split()[3][:-1]))
+                                  for t in tasks})
+    cfg = AgentConfig(n_samples=2, max_turns=4, max_total_tokens=4096)
+    trajs = run_episodes(engine, {"calc": LongObsEnv()}, tasks, tok, cfg, SamplingParams(max_tokens=300), seed=0)
+    window = 4096
+    if tight:         # a window one token short of the first episode's second observation (and a turn after it)
+        window = len(episode_prompts(engine, trajs[0])[2]) + 1
+        cfg, engine.calls = replace(cfg, max_total_tokens=window), []
+        trajs = run_episodes(engine, {"calc": LongObsEnv()}, tasks, tok, cfg, SamplingParams(max_tokens=300), seed=0)
+    im_end = tok.token_to_id("<|im_end|>")
+    batch = to_batch(trajs, pad_id=0)
+    for b, tr in enumerate(trajs):
+        # rebuild the trajectory from what the engine returned and the observations rendered, span by span
+        prompts = episode_prompts(engine, tr)
+        assert prompts[0] == tr.token_ids[:tr.prompt_len]
+        want, mask = list(prompts[0]), [0] * tr.prompt_len
+        turn_obs = iter(_group_tool_turns(tr.messages[2:]))
+        for k, p in enumerate(prompts):
+            assert want == p                                   # the next prompt is exactly the trajectory so far
+            gen = engine.replies[tuple(p)]
+            assert gen != encode(tok, tok.decode(gen, skip_special_tokens=False))   # ids BPE would not give
+            want += gen
+            mask += [1] * len(gen)
+            if gen[-1] != im_end:
+                want, mask = want + [im_end], mask + [0]
+            obs = next(turn_obs, None)
+            if obs and k + 1 < len(prompts):
+                cont = encode(tok, render_continuation(obs))
+                want, mask = want + cont, mask + [0] * len(cont)
+        assert tr.token_ids == want and tr.loss_mask == mask
+        assert len(tr.token_ids) <= window
+        assert tr.logprobs == [fake_logprob(t) if m else 0.0 for t, m in zip(tr.token_ids, tr.loss_mask)]
+        n = len(tr.token_ids)                                   # the learner's row is the trajectory, untouched
+        assert batch.input_ids[b, :n].tolist() == tr.token_ids and batch.loss_mask[b, :n].tolist() == tr.loss_mask
+        assert batch.logprobs[b, :n].tolist() == pytest.approx(tr.logprobs, abs=1e-7)
+        assert int(batch.length_cut[b]) == int(tr.length_cut)
+        if not tight:
+            assert (tr.finish_reason, tr.reward, tr.context_full) == ("done", 1.0, False)
+        elif tr.finish_reason == "context_full":                # an observation did not fit: left out, whole
+            assert tr.context_full and tr.messages[-1]["role"] == "assistant" and tr.token_ids[-1] == im_end
+    if tight:
+        assert (trajs[0].finish_reason, trajs[0].num_turns, trajs[0].truncated_turns) == ("context_full", 2, 0)
+        assert rollout_metrics(trajs, 2)["rollout/context_full"] >= 0.25
+
+
+def _group_tool_turns(messages):
+    """The observation of each assistant turn: the tool messages that follow it, as one list per turn."""
+    turns = []
+    for m in messages:
+        if m["role"] == "assistant":
+            turns.append([])
+        elif turns:
+            turns[-1].append(m)
+    return turns
 
 
 def test_env_error_ends_episode_cleanly_in_mixed_batch(tok):

@@ -463,6 +463,21 @@ def test_overlong_penalty():
         overlong_penalty(lengths, 100, 0)
 
 
+
+def test_truncation_treatment_hand_computed():
+    rewards, cut = torch.tensor([1.0, 0.5, 0.0]), torch.tensor([False, True, True])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 1]], dtype=torch.float)
+    r, m = algos.truncation_treatment(rewards, mask, cut, "keep")
+    assert r is rewards and m is mask
+    r, m = algos.truncation_treatment(rewards, mask, cut, "mask")
+    assert torch.equal(r, rewards) and torch.equal(m, torch.tensor([[0, 1, 1], [0, 0, 0], [0, 0, 0]]).float())
+    r, m = algos.truncation_treatment(rewards, mask, cut, "penalize", penalty=0.25)
+    assert torch.equal(r, torch.tensor([1.0, 0.25, -0.25])) and m is mask
+    assert torch.equal(rewards, torch.tensor([1.0, 0.5, 0.0])) and mask[1, 1] == 1      # inputs untouched
+    with pytest.raises(ValueError, match="unknown truncation"):
+        algos.truncation_treatment(rewards, mask, cut, "drop")
+
+
 # ----------------------------------------------------------------------------- truncated importance sampling
 
 def test_token_tis_weights_hand_computed():

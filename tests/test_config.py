@@ -256,6 +256,13 @@ def test_knobs_that_would_do_nothing_here_are_refused():
     with pytest.raises(ValueError, match="rollout.agent.enable_thinking applies to rollout.agent.chat_format=qwen3"):
         load_config(None, ["rollout.agent.enable_thinking=false"])
     assert load_config(None, ["rollout.agent.enable_thinking=false", "rollout.agent.chat_format=qwen3"])
+    with pytest.raises(ValueError, match="algo.truncation_penalty applies to algo.truncation=penalize"):
+        load_config(None, ["algo.truncation_penalty=0.5"])
+    assert load_config(None, ["algo.truncation=penalize", "algo.truncation_penalty=0.5"]).algo.truncation_penalty == 0.5
+    with pytest.raises(ValueError, match=r"algo.truncation='drop' is not one of \['keep', 'mask', 'penalize'\]"):
+        load_config(None, ["algo.truncation=drop"])
+    with pytest.raises(ValueError, match="rollout.agent.max_episode_tokens=-1 must be >= 0"):
+        load_config(None, ["rollout.agent.max_episode_tokens=-1"])
     with pytest.raises(ValueError, match="ray.max_in_flight bounds"):
         load_config(None, ["ray.rollout_workers=1", "ray.max_in_flight=2"])
     assert load_config(None, ["ray.rollout_workers=1", "ray.max_in_flight=2", "ray.dispatcher=async_batch_bounded"])

@@ -146,6 +146,7 @@ KNOBS: dict[str, Knob] = {
     "rollout.agent.n_samples": Knob("3"),
     "rollout.agent.max_turns": Knob("1"),
     "rollout.agent.max_total_tokens": Knob("150", ("algo.overlong_cache=100",)),
+    "rollout.agent.max_episode_tokens": Knob("6"),
     "rollout.agent.chat_format": Knob("qwen3", (), INERT, "toy math's conversations (a system prompt, tools, no "
                                       "reasoning) render byte for byte alike in qwen2.5 and qwen3, and the agent loop "
                                       "appends tokens, never re-renders; the formats differ without a system prompt, "
@@ -164,6 +165,9 @@ KNOBS: dict[str, Knob] = {
     "algo.dynamic_sampling": Knob("true"),
     "algo.max_refill_rounds": Knob("1", ("algo.dynamic_sampling=true",)),
     "algo.overlong_cache": Knob("300"),
+    "algo.truncation": Knob("mask"),
+    "algo.truncation_penalty": Knob("0.5", ("algo.truncation=penalize", *PPO), why="every base episode is cut, so a "
+                                    "group baseline cancels a flat penalty; a critic's does not"),
     "algo.kl_in_reward": Knob("true", KL),
     "algo.gamma": Knob("0.5", PPO),
     "algo.lam": Knob("0.5", PPO),
