@@ -78,7 +78,7 @@ class Trajectory:
     parse_failures: int = 0            # assistant turns with a malformed tool call (summed from the env's info)
     tool_errors: int = 0               # tool calls that failed in the env (summed from the env's info)
     tool_timeouts: int = 0             # tool calls that timed out (summed from the env's info)
-    env_errors: int = 0                # env.step raised (ends the episode, reward 0)
+    env_errors: int = 0                # env.reset or env.step raised (ends the episode; train.py drops its group)
     empty_responses: int = 0           # assistant turns whose content is blank
     finish_reason: str = ""            # "done" | "max_turns" | "episode_tokens" (max_episode_tokens sampled) |
                                        # "context_full" (no room for the next turn in max_total_tokens) | "env_error"
@@ -158,12 +158,20 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
                   seed: int) -> tuple[list[Trajectory], list]:
     """env.reset of cfg.n_samples episodes per task and their first prompt, rendered and encoded ->
     (trajectories holding only that prompt, group-major; the env states). An episode whose prompt leaves no room
-    for a turn already has finish_reason "context_full"."""
+    for a turn already has finish_reason "context_full". A reset that raises gives an empty episode that ended with
+    "env_error" (its error in info), as a step that raises does: the batch goes on."""
     trajs, states, prompt_cache = [], [], {}
     for g, task in enumerate(tasks):
         env = envs[task.env]
         for s in range(cfg.n_samples):
-            state, msgs = env.reset(task, seed=mix_seed(seed, g, s))
+            try:
+                state, msgs = env.reset(task, seed=mix_seed(seed, g, s))
+            except Exception as e:
+                trajs.append(Trajectory(task=task, group=g, sample=s, token_ids=[], loss_mask=[], logprobs=[],
+                                        prompt_len=0, messages=[], env_errors=1, finish_reason="env_error",
+                                        info={"error": f"{type(e).__name__}: {e}"}))
+                states.append(None)
+                continue
             text = render(msgs, env.tools(), add_generation_prompt=True, chat_format=cfg.chat_format,
                           enable_thinking=cfg.enable_thinking)
             if text not in prompt_cache:      # the n samples of a task usually share their prompt

@@ -63,26 +63,38 @@ SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3   # a step's draws: mix_see
 
 def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list, dict]:
     """prompts_per_step groups of n_samples episodes -> (trajectories group-major, rollout/* and dispatch/* metrics).
+    A group with a failed episode (its env's reset or step raised) is dropped whole, never half-trained: the batch
+    is what it would be without that group, and more prompts are sampled in its place, up to
+    algo.max_refill_rounds extra rounds (rollout/failed_episodes, rollout/dropped_groups count them over all rounds).
     With algo.dynamic_sampling (DAPO), groups whose rewards are all equal (no group-advantage signal) are dropped and
-    more prompts sampled, up to max_refill_rounds extra rounds; the batch may end smaller."""
+    refilled the same way. The batch may end smaller; with no group left it is an error, naming the failures."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.agent.n_samples
     # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
     params = SamplingParams.of(cfg.rollout)
-    informative: list = []                           # groups kept for the batch
-    for r in range(1 + (cfg.algo.max_refill_rounds if cfg.algo.dynamic_sampling else 0)):
+    kept, uniform, failed, dropped, errors = [], [], 0, 0, []   # groups kept; groups without signal; failures
+    for r in range(1 + cfg.algo.max_refill_rounds):
         tasks = sample_mixture(envs, [(e.name, e.weight) for e in cfg.envs], "train", want,
                                mix_seed(cfg.seed, step, SEED_TASKS, r))
         trajs, dispatch_metrics = rollouts.play(tasks, params, mix_seed(cfg.seed, step, SEED_EPISODES, r),
                                                 judge_weight=cfg.rollout.judge_weight)
         groups = [trajs[i:i + G] for i in range(0, len(trajs), G)]                     # group-major
-        mixed = mixed_groups(trajs, G) if cfg.algo.dynamic_sampling else [True] * len(groups)
-        informative += [g for g, is_mixed in zip(groups, mixed) if is_mixed]
-        if len(informative) >= want:
+        broken = [any(t.finish_reason == "env_error" for t in g) for g in groups]
+        failed, dropped = failed + sum(t.finish_reason == "env_error" for t in trajs), dropped + sum(broken)
+        errors += [t.info.get("error", "") for t in trajs if t.finish_reason == "env_error"][:1]
+        whole = [g for g, b in zip(groups, broken) if not b]
+        mixed = mixed_groups([t for g in whole for t in g], G) if cfg.algo.dynamic_sampling else [True] * len(whole)
+        kept += [g for g, is_mixed in zip(whole, mixed) if is_mixed]
+        uniform += [g for g, is_mixed in zip(whole, mixed) if not is_mixed]
+        if len(kept) >= want or not any(broken) and not cfg.algo.dynamic_sampling:
             break
-    if not informative:                              # nothing informative: keep the last round, skip_uniform decides
-        informative = groups
-    trajs = [t for g in informative[:want] for t in g]
-    return trajs, {**rollout_metrics(trajs, G), "rollout/rounds": r + 1, **dispatch_metrics}
+    if not kept:                                     # nothing informative: the uniform groups, skip_uniform decides
+        kept = uniform[-want:]
+    if not kept:
+        raise RuntimeError(f"step {step}: every episode group of {r + 1} rollout rounds had a failed episode "
+                           f"({failed} failed), e.g. {errors[0] if errors else '?'}")
+    trajs = [t for g in kept[:want] for t in g]
+    return trajs, {**rollout_metrics(trajs, G), "rollout/rounds": r + 1, "rollout/failed_episodes": failed,
+                   "rollout/dropped_groups": dropped, **dispatch_metrics}
 
 
 class SyncSchedule:
