@@ -253,7 +253,7 @@ class DispatchStats:
         wall = max(self.wall_seconds, 1e-9)
         return {"dispatch/wall_seconds": self.wall_seconds, "dispatch/trajectories_per_s": self.trajectories / wall,
                 "dispatch/tokens_per_s": self.sampled_tokens / wall, "dispatch/idle_fraction": self.idle_fraction,
-                "dispatch/busy_seconds_max": max(self.busy_seconds, default=0.0),
+                "dispatch/max_busy_seconds": max(self.busy_seconds, default=0.0),
                 "dispatch/chunks": float(self.chunks), "dispatch/max_in_flight": float(self.max_in_flight)}
 
 

@@ -219,7 +219,8 @@ class Config:
     keep_checkpoints: int = 0        # keep the newest k of checkpoints/ (0: all); older ones go once a new one is in place
     resume: str = ""                 # a checkpoint folder to resume from (exact: weights, optimizer, RNG, steps), or
                                      # "auto": the latest complete checkpoint of this run's folder, if there is one
-    log_timings: bool = True         # perf/* wall-clock metrics in metrics.jsonl; false: every record reproducible bit
+    log_timings: bool = True         # wall-clock metrics (perf/*, *_seconds, *_per_s: runs.is_timing) in metrics.jsonl;
+                                     # false: every record reproducible bit
                                      # for bit (the kill-and-resume test compares the files byte for byte)
     wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
     wandb_project: str = "nano-skyrl"

@@ -217,12 +217,21 @@ def _fsync_dir(folder: str) -> None:
 # -----------------------------------------------------------------------------
 # logs that match the weights
 
+TIMING_SUFFIXES = ("_seconds", "_per_s", "idle_fraction")   # how a wall-clock metric outside perf/ is named
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metric is wall-clock (it differs between two runs of the same seed): perf/*, or named so."""
+    return key.startswith("perf/") or key.endswith(TIMING_SUFFIXES)
+
+
 class Logger:
     """metrics.jsonl (always) + wandb (optional, offline by default): one record per RL step. On ranks other than 0
     (`enabled=False`) it writes nothing. Resumed after `resume_step`, it first cuts the logs back to that step:
     metrics.jsonl keeps its records up to it (nothing is logged twice, nothing kept is lost), the episode dumps of
     later evals are removed, and wandb resumes the same run (its id is kept in the run folder) from that step.
-    log_timings=false drops the perf/* wall-clock metrics, so a record is reproducible bit for bit."""
+    log_timings=false drops the wall-clock metrics (is_timing: perf/*, and any key ending in _seconds, _per_s or
+    idle_fraction, as Ray's dispatch/* and an env's score_seconds), so a record is reproducible bit for bit."""
 
     def __init__(self, run_dir: str, cfg, resume_step: int | None = None, enabled: bool = True):
         self.file, self.wandb, self.log_timings = None, None, cfg.log_timings
@@ -245,7 +254,7 @@ class Logger:
         if self.file is None:
             return metrics
         if not self.log_timings:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+            metrics = {k: v for k, v in metrics.items() if not is_timing(k)}
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         self.history.append((step, {"step": step, **metrics}))

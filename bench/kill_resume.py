@@ -9,9 +9,9 @@ whole process group) --kills times, each kill chosen in turn from three kinds of
   random       a uniformly random time after the launch (start-up, rollouts, updates, evals, checkpoints alike);
   checkpoint   the instant a checkpoint is being written (its `.partial` folder appears);
   mid-step     a random fraction of a step after the run logged a step (the next step's rollouts or update);
-and relaunched at once. A last launch runs to the end. Then final/model.safetensors, final/trainer_state.pt (the
+and relaunched at once. A last launch runs to the end. Then every final/**/*.safetensors, final/trainer_state.pt (the
 optimizer state, both step counters, the RNG states) and metrics.jsonl must equal the uninterrupted run's, byte for
-byte. Exit status 0 when they do. Overrides after the options go to every launch (e.g. async rollouts with a
+byte (with LoRA: its adapter files and the merged model). Exit status 0 when they do. Overrides after the options go to every launch (e.g. async rollouts with a
 staleness bound, whose queued batches a checkpoint must carry). tests/test_kill_resume.py runs short versions in CI;
 the README reports a long one.
 """
@@ -34,7 +34,8 @@ TINY = ["sft.num_demos=400", "sft.max_steps=40", "sft.eval_every=20", "sft.eval_
         "rollout.agent.n_samples=4", "rollout.max_tokens=40", "rollout.agent.max_total_tokens=768",
         "learner.micro_batch_size=8", "learner.lr=1e-3", "learner.mini_batches=2", "learner.entropy_coef=0.01",
         "wandb=false", "threads=1", "log_timings=false", "checkpoint_every=1", "eval_every=2"]
-COMPARED = ("final/model.safetensors", "final/trainer_state.pt", "metrics.jsonl")
+COMPARED = ("final/trainer_state.pt", "metrics.jsonl")   # and every final/**/*.safetensors (weights; LoRA: adapters
+                                                          # and the merged model)
 
 
 def command(out: str, run_name: str, steps: int, seed: int, resume: str = "", extra: tuple = ()) -> list[str]:
@@ -124,12 +125,21 @@ def torture(kills: int, steps: int, seed: int, out: str, extra: tuple = ()) -> d
             "uninterrupted_seconds": round(run_seconds, 1), "startup_seconds": round(startup, 1), "steps": steps}
 
 
+def compared(run_dir: str) -> list[str]:
+    """The files compared, relative to a run folder: COMPARED and the final checkpoint's weights."""
+    weights = glob.glob(os.path.join(run_dir, "final", "**", "*.safetensors"), recursive=True)
+    return sorted({*COMPARED, *(os.path.relpath(w, run_dir) for w in weights)})
+
+
 def same_files(a_dir: str, b_dir: str) -> dict[str, bool]:
-    """Whether each compared file is byte-identical in the two run folders."""
+    """Whether each compared file is byte-identical in the two run folders (a file one of them lacks: False)."""
     same = {}
-    for f in COMPARED:
-        with open(os.path.join(a_dir, f), "rb") as a, open(os.path.join(b_dir, f), "rb") as b:
-            same[f] = a.read() == b.read()
+    for f in sorted(set(compared(a_dir)) | set(compared(b_dir))):
+        try:
+            with open(os.path.join(a_dir, f), "rb") as a, open(os.path.join(b_dir, f), "rb") as b:
+                same[f] = a.read() == b.read()
+        except FileNotFoundError:
+            same[f] = False
     return same
 
 

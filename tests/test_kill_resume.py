@@ -1,7 +1,8 @@
 """Nothing is lost when a run is killed: bench/kill_resume.py's short version. A tiny run is killed with SIGKILL three
 times (at a random moment, during a checkpoint write, in the middle of a step), relaunched with resume=auto each time,
-and must end with the uninterrupted run's bytes: final weights, optimizer state, metrics.jsonl; once synchronous, once
-with async rollouts two updates ahead (rollout.max_staleness=2: the checkpoints carry the queued batches). The README
+and must end with the uninterrupted run's bytes: final weights, optimizer state, metrics.jsonl; synchronous, with
+async rollouts two updates ahead (rollout.max_staleness=2: the checkpoints carry the queued batches), with LoRA
+(adapter files and merged model) and with two Ray rollout workers. The README
 reports the long version (20 kills)."""
 import json
 import os
@@ -16,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # async rollouts two updates ahead: a checkpoint must carry the queue of batches already sampled
+# LoRA: the adapters and the merged model; Ray: two rollout workers, whose Ray cluster dies with each kill
 CASES = {"sync": [], "async_k2": ["rollout.async_rollouts=true", "learner.off_policy.kind=tis",
-                                  "rollout.max_staleness=2"]}
+                                  "rollout.max_staleness=2"],
+         "lora": ["learner.lora_rank=4"], "ray_workers": ["ray.rollout_workers=2"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
