@@ -31,6 +31,7 @@ Shapes (RolloutBatch): B trajectories, T tokens (the longest trajectory; shorter
 Imports: chat.py, env.py and algos.py (and torch, the standard library).
 """
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -136,7 +137,7 @@ def step_envs(envs: dict[str, Env], calls: list[tuple[str, object, Action]]) -> 
 
 
 def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: AgentConfig,
-                 params, seed: int, judge_weight: float = 0.0, step_many=None) -> list[Trajectory]:
+                 params, seed: int, judge_weight: float = 0.0, step_many=None, judge=None) -> list[Trajectory]:
     """Play cfg.n_samples episodes of every task, token-in token-out. Returns them group-major
     (all samples of tasks[0], then tasks[1], ...), group = task index, sample = 0..n_samples-1.
 
@@ -146,12 +147,12 @@ def run_episodes(engine, envs: dict[str, Env], tasks: list[Task], tokenizer, cfg
     is step_envs over `envs` in this process (cluster.EnvPool spreads them over Ray EnvWorkers).
 
     judge_weight > 0 (training only; evaluate() never passes it): a finished episode's reward gets
-    judge_weight * env.judge(task, messages) added, for envs that have a judge (see Env.judge).
+    judge_weight * its judge's score added: `judge`'s (an LLM judge, judge.py), else the env's own (see Env.judge).
     """
     trajs, states = init_episodes(envs, tasks, tokenizer, cfg, seed)
     play_episodes(engine, trajs, states, tokenizer, cfg, params, seed,
                   step_many or (lambda calls: step_envs(envs, calls)))
-    return finish_episodes(envs, trajs, judge_weight)
+    return finish_episodes(envs, trajs, judge_weight, judge)
 
 
 def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: AgentConfig,
@@ -334,17 +335,36 @@ def _add_step(traj: Trajectory, result: "StepResult", tokenizer, cfg: AgentConfi
     return cont
 
 
-def finish_episodes(envs: dict[str, Env], trajs: list[Trajectory], judge_weight: float) -> list[Trajectory]:
-    """The end of every episode the env finished: judge_weight * env.judge(task, messages) added to its reward
-    (and the score kept in info["judge"]) when judge_weight > 0 and the env has a judge. In place; returned."""
+class Judgment(NamedTuple):
+    """A judge's verdict on one finished episode."""
+    score: float | None                # in [0, 1], added to the reward times judge_weight; None: no verdict (an env
+                                       # without a judge), nothing added
+    failed: bool = False               # the judge's reply could not be read: score is the judge's failure value
+
+
+Judge = Callable[[list[Task], list[list[dict]]], list[Judgment]]   # (tasks, conversations) -> one verdict each
+
+
+def env_judges(envs: dict[str, Env], tasks: list[Task], conversations: list[list[dict]]) -> list[Judgment]:
+    """The default judge: each episode's env's own (Env.judge, a rule; None for an env without one)."""
+    return [Judgment(envs[t.env].judge(t, m)) for t, m in zip(tasks, conversations)]
+
+
+def finish_episodes(envs: dict[str, Env], trajs: list[Trajectory], judge_weight: float,
+                    judge: Judge | None = None) -> list[Trajectory]:
+    """The end of every episode the env finished: when judge_weight > 0, judge_weight * its judge's score added to
+    its reward and to its last turn's (the score kept in info["judge"], and info["judge_failed"]). `judge` gets every
+    finished episode of the batch in one call (an LLM judge batches them: judge.LLMJudge); None: the envs' own
+    (env_judges). In place; returned."""
     if judge_weight:
-        for traj in trajs:
-            if traj.finish_reason == "done":
-                score = envs[traj.task.env].judge(traj.task, traj.messages)
-                if score is not None:
-                    traj.info["judge"] = float(score)
-                    traj.reward += judge_weight * float(score)
-                    traj.turn_rewards[-1] += judge_weight * float(score)
+        done = [t for t in trajs if t.finish_reason == "done"]
+        tasks, conversations = [t.task for t in done], [t.messages for t in done]
+        verdicts = judge(tasks, conversations) if judge is not None else env_judges(envs, tasks, conversations)
+        for traj, verdict in zip(done, verdicts, strict=True):
+            if verdict.score is not None:
+                traj.info["judge"], traj.info["judge_failed"] = float(verdict.score), verdict.failed
+                traj.reward += judge_weight * float(verdict.score)
+                traj.turn_rewards[-1] += judge_weight * float(verdict.score)
     return trajs
 
 
@@ -355,8 +375,9 @@ class LocalRollouts:
     """The agent loop in this process around one engine: what train.py and eval.py play episodes through when no
     Ray workers do (cluster.RayRollouts answers the same calls, so the training loop never asks which it has)."""
 
-    def __init__(self, engine, envs: dict[str, Env], tokenizer, agent: AgentConfig):
+    def __init__(self, engine, envs: dict[str, Env], tokenizer, agent: AgentConfig, judge: Judge | None = None):
         self.engine, self.envs, self.tokenizer, self.agent = engine, envs, tokenizer, agent
+        self.judge = judge                 # finish_episodes' judge (None: the envs' own): an LLM judge, judge.py
 
     def play(self, tasks: list[Task], params, seed: int, judge_weight: float = 0.0,
              agent: AgentConfig | None = None) -> tuple[list[Trajectory], dict[str, float]]:
@@ -364,7 +385,7 @@ class LocalRollouts:
         overrides the AgentConfig (eval: n_samples=1)."""
         before = prefill_counts(self.engine)
         trajs = run_episodes(self.engine, self.envs, tasks, self.tokenizer, agent or self.agent, params, seed,
-                             judge_weight=judge_weight)
+                             judge_weight=judge_weight, judge=self.judge)
         return trajs, prefill_metrics(before, prefill_counts(self.engine), len(trajs))
 
     def generate(self, prompts: list[list[int]], params) -> list:
@@ -460,7 +481,9 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
     assistant turns cut by rollout.max_tokens); truncated_episode and context_full (the fractions of episodes cut by
     agent.max_episode_tokens, and by agent.max_total_tokens: a turn cut, an observation left out);
     frac_groups_mixed (fraction of the groups of `group_size` whose rewards are not all equal: only those carry a
-    GRPO signal); and "rollout/<env>/reward" per env when the batch mixes envs."""
+    GRPO signal); judge_score and judge_failures (the mean score of the episodes a judge scored, and the fraction of
+    them whose judge reply could not be read), when a judge scored any; and "rollout/<env>/reward" per env when the
+    batch mixes envs."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -485,6 +508,10 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/context_full": mean([t.context_full for t in trajs]),
     }
     out["rollout/frac_groups_mixed"] = mean(mixed_groups(trajs, group_size))
+    judged = [t.info for t in trajs if "judge" in t.info]        # finish_episodes' verdicts (training only)
+    if judged:
+        out["rollout/judge_score"] = mean([i["judge"] for i in judged])
+        out["rollout/judge_failures"] = mean([bool(i.get("judge_failed")) for i in judged])
     by_env: dict[str, list[float]] = {}
     for t in trajs:
         by_env.setdefault(t.task.env, []).append(t.reward)

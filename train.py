@@ -24,8 +24,9 @@ each turn with its own return instead); batches without signal are skipped, not 
 
 Who does what: a rollout source plays the episodes (agent.LocalRollouts), a schedule says when each step's batch is
 sampled and when weights are pushed (SyncSchedule). Wings answer the same calls, reached by name (rollout.wing) when
-the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora. Under torchrun every
-rank runs this main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of the update.
+the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora, judge.LLMJudge. Under
+torchrun every rank runs this main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of
+the update.
 Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
 Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B episodes, T tokens, G group size.
@@ -290,14 +291,16 @@ def build_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
 
 def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_model, weights: dict | None):
     """Rank 0's rollout source: Ray workers (ray.rollout_workers, cluster.py), else the agent loop around an engine
-    built here; `weights` pushed first when the learner is not the base model (a resumed run; LoRA's merged weights)."""
+    built here; `weights` pushed first when the learner is not the base model (a resumed run; LoRA's merged weights).
+    With rollout.judge.model_path, an LLM judge (judge.py) scores the finished training episodes."""
     if cfg.ray.rollout_workers:
         return wing("cluster.start_ray_rollouts")(cfg, model_dir, envs, engine_options(cfg), weights)
     engine = make_engine(cfg.rollout.engine, model_dir, pad_id=pad_token_id(tokenizer),
                          model=engine_model, **engine_options(cfg))
     if weights is not None:
         engine.update_weights(weights)
-    return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent)
+    judge = wing("judge.LLMJudge").from_config(cfg) if cfg.rollout.judge.model_path else None  # the envs' own: None
+    return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent, judge=judge)
 
 
 def build_schedule(cfg: Config, rollouts, envs: dict, start: int, resume: str):

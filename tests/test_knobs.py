@@ -84,6 +84,10 @@ def loss(kind):
 RAY_OFF = "Ray is off (ray.rollout_workers=0, ray.learner_workers=0): nothing reads it"
 LEARNER_ACTORS = ("a resource of the learner actors, which ray.learner_workers starts from train.py's command line "
                   "only (cluster.launch_on_ray): no actors here; tests/test_launch.py runs them")
+JUDGE_OFF = ("a setting of the LLM judge, refused while rollout.judge.model_path is unset (the base run has no judge); "
+             "tests/test_judge.py checks each with a judge on (scripted engines, the config's checks, the tiny model "
+             "as the judge through the torch engine)")
+PERF = "speed or memory only (seen in perf/*, which is wall-clock): the numbers agree to float rounding"
 PERF = "speed or memory only (seen in perf/*, which is wall-clock): the numbers agree to float rounding"
 
 KNOBS: dict[str, Knob] = {
@@ -139,6 +143,19 @@ KNOBS: dict[str, Knob] = {
                                  "adds a judge's score to finished episodes of envs with a judge (tau_lite); the tiny "
                                  "model never finishes a tau_lite episode, and toy_math has no judge (there the knob "
                                  "is ignored, not refused); tests/test_env_tau.py plays judged episodes"),
+    "rollout.async_rollouts": Knob("true", TIS),
+    "rollout.max_staleness": Knob("2", (*ASYNC, *TIS, "steps=3")),
+    "rollout.partial_rollouts": Knob("true", expect=REFUSED, why="refused without async rollouts; with them its "
+                                     "effect depends on timing (tests/test_async_rollouts.py)"),
+    "rollout.judge.model_path": Knob("<model>", ("rollout.judge_weight=1.0",), why="the tiny model as an LLM judge "
+                                     "(judge.py): its verdicts are logged (rollout/judge_score, judge_failures) and "
+                                     "added to the rewards"),
+    "rollout.judge.engine": Knob("openai", expect=REFUSED, why=JUDGE_OFF),
+    "rollout.judge.base_url": Knob("http://elsewhere:8001/v1", expect=REFUSED, why=JUDGE_OFF),
+    "rollout.judge.chat_format": Knob("llama3", expect=REFUSED, why=JUDGE_OFF),
+    "rollout.judge.temperature": Knob("0.7", expect=REFUSED, why=JUDGE_OFF),
+    "rollout.judge.max_tokens": Knob("16", expect=REFUSED, why=JUDGE_OFF),
+    "rollout.judge.rubric": Knob("'{conversation}'", expect=REFUSED, why=JUDGE_OFF),
     "rollout.async_rollouts": Knob("true", TIS),
     "rollout.max_staleness": Knob("2", (*ASYNC, *TIS, "steps=3")),
     "rollout.partial_rollouts": Knob("true", expect=REFUSED, why="refused without async rollouts; with them its "

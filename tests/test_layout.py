@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["model", "algos", "plot", "distributed", "sandbox", "sandbox_exec", "tools", "env", "chat", "agent", "rollout",
         "learner", "config", "runs", "eval", "sft", "train"]
 WINGS = ["engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "cluster", "chat_llama3",
-         "serve"]
+         "serve", "judge"]
 WORLDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "env_*.py")))
 WORLDS_LIB = "worlds"                          # what the worlds share (expert replay, JSON-lines files): theirs alone
 CONFIG_IMPORTS = {"agent", "learner",          # the dataclasses config.Config assembles (AgentConfig, LearnerConfig)
