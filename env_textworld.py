@@ -3,18 +3,22 @@ the agent plays through one tool, tw_act(command). A real benchmark: the games, 
 are TextWorld's own (pip install textworld==1.7.0, an optional dependency), not ours.
 
 Tasks are games: (challenge, level, seed). Four of TextWorld's challenge families, each with a difficulty level:
-    tw-coin_collector   level 1-150 and 201-233: find the coin at the end of a chain of `level % 100` rooms (1-100:
-                        no distractor rooms; 101-150 and 201-233 add dead ends; the other levels of tw-make need
-                        more than 100 rooms, which TextWorld 1.7 cannot build). The objective spells out the path.
+    tw-coin_collector   level 1-150 and 201-233: find the coin at the end of a chain of `(level - 1) % 100 + 1`
+                        rooms (1-100: no distractor rooms; 101-150 and 201-233 add dead ends; the other levels of
+                        tw-make need more than 100 rooms, which TextWorld 1.7 cannot build). The objective spells
+                        out the path.
     tw-treasure_hunter  level 1-30: fetch the named object among distractors (picking up the wrong one loses);
-                        from level 11, locked doors and containers hide it.
+                        levels 11-20 (10 rooms) add closed doors and containers, 21-30 (20 rooms) locked ones.
     tw-simple           level 1-3: a fixed house, put an object somewhere; rewards dense, balanced, sparse.
     tw-cooking          level 1-4: the "First TextWorld Problems" recipes (see COOKING_LEVELS).
 A game is generated on first use with TextWorld's own generator (textworld.challenges, what `tw-make` runs: the
-Inform 7 compiler ships in the package) into `cache_dir`, deterministically from (challenge, level, seed), and
-reused: the same seed gives byte-identical game files on every machine with the same textworld version, which
-names the cache's subfolder. Several processes may share a cache: each game is written to a temporary folder
-and renamed into place.
+Inform 7 compiler ships in the package) into `cache_dir`, from (challenge, level, seed), and reused: the same seed
+gives the same game as played (every screen, admissible command, score and walkthrough) on every machine with the
+same textworld version, which names the cache's subfolder. Not the same bytes: TextWorld's generator iterates
+Python sets of names, whose order follows the process's string-hash seed (PYTHONHASHSEED), so game.json (and for
+cooking game.z8, the same rules declared in another order) differs between processes. Several processes may share
+a cache: each game is written to a temporary folder and renamed into place. In a process, one game is generated at
+a time (GENERATOR_LOCK: TextWorld's generator keeps global state, and fails when threads share it).
 
 Split: seed ranges. Train games have seeds 0 .. train_games - 1; held-out games TEST_SEED + 0 .. test_games - 1
 for every (challenge, level) of the mix, so no held-out game is a training game. (At the lowest levels the
@@ -32,12 +36,15 @@ episode. info["metrics"] after every step: "success", "score" (score / max score
 
 State is explicit: the frozen TWState holds the game's key and the admissible commands played since the start;
 nothing else decides where the game is. The live game behind it (a Z-machine interpreter, jericho's frotz, loaded
-in this process) is an implementation detail kept in a GamePool: a pool of at most `pool_size` live games, each
-at a known position (game, commands played). A step takes the live game at exactly the state's position if one
-is idle, else resets one (or loads the game into the least recently used one) and replays the commands, so any
-state can be stepped any number of times, in any order, by any process, with the same result. Live games beyond
-the pool are closed (their interpreter library unloaded); env.close() closes them all. A game whose interpreter
-raises ends its episode: step() raises, which the agent loop reports as finish_reason "env_error".
+in this process) is an implementation detail kept in a GamePool: at most `pool_size` live games, each at a known
+position (game, commands played). A step takes an idle live game of that game at the state's position, or on the
+way to it (only the missing commands are played), so an episode finds its own live game where its last step left
+it and nothing is replayed while pool_size covers the episodes in flight; else it starts one, or past pool_size
+resets the least recently used one (restarted, never re-loaded, when it held another game: a re-load leaks) and
+replays the commands. So any state can be stepped any number of times, in any order, by any process, with the same
+result. Live games beyond the pool are closed (their interpreter library unloaded); env.close() closes them all.
+A copy of the env (pickled to a Ray worker) starts with no live games. A game whose interpreter raises ends its
+episode: step() raises, which the agent loop reports as finish_reason "env_error".
 
 Expert (demonstration, eval.py --policy expert): TextWorld's walkthrough, the winning policy it computes from
 the game's logic (policy_commands at the start; where it has none, the walkthrough in the game's metadata),
@@ -122,9 +129,13 @@ def parse_key(key: str) -> tuple[str, int, int]:
     return challenge, int(level[1:]), int(seed[1:])
 
 
+GENERATOR_LOCK = threading.Lock()   # TextWorld's generator keeps global state (its logic parser): one game at a time
+
+
 def generate_game(challenge: str, level: int, seed: int, folder: str) -> None:
     """Write game.z8 and game.json (what textworld.start plays) into `folder`, as `tw-make <challenge> <args>
-    --seed <seed>` would: the challenge's own argument parser fills in its defaults."""
+    --seed <seed>` would: the challenge's own argument parser fills in its defaults. One thread at a time in a
+    process (GENERATOR_LOCK): from 4 threads at once, TextWorld's generator failed 38 of 40 times."""
     textworld = import_textworld()
     _, make, add_arguments = textworld.challenges.CHALLENGES[challenge]
     parser = argparse.ArgumentParser(prog=challenge)
@@ -135,8 +146,9 @@ def generate_game(challenge: str, level: int, seed: int, folder: str) -> None:
     options.path = os.path.join(folder, "game.z8")
     options.file_ext = ".z8"
     options.force_recompile = True
-    game = make(settings=settings, options=options)
-    textworld.generator.compile_game(game, options)   # game.z8 (Inform 7 -> Z-machine) and game.json beside it
+    with GENERATOR_LOCK:
+        game = make(settings=settings, options=options)
+        textworld.generator.compile_game(game, options)   # game.z8 (Inform 7 -> Z-machine) and game.json beside it
 
 
 def ensure_game(cache: str, key: str) -> str:
@@ -158,7 +170,7 @@ def ensure_game(cache: str, key: str) -> str:
                 os.remove(os.path.join(tmp, name))
         try:
             os.rename(tmp, folder)
-        except OSError:                                # another process renamed its copy first: the same bytes
+        except OSError:                                # another process renamed its copy first: the same game
             if not os.path.exists(os.path.join(folder, "game.json")):
                 raise
     finally:
@@ -179,9 +191,18 @@ class Live:
 
 
 class GamePool:
-    """At most `size` idle live games, each at a known position (path, commands). `play` checks one out, brings it
-    to the position asked for (it is there already, or is reset and the commands replayed), steps it, and checks it
-    back in. Thread-safe: a live game is used by one call at a time."""
+    """At most `size` live games (one more for each thread that finds none idle), each at a known position (path,
+    commands since its reset). `play` checks out the live game best placed for the position asked for, brings it
+    there, steps it, and checks it back in. Which one (checkout):
+      1. an idle one of the same game at that position, or on the way to it (its commands a prefix of those asked
+         for): only the missing commands are stepped. An episode finds its game where its last step left it, so
+         while the pool holds a game per episode in flight (pool_size >= a rollout batch) nothing is replayed;
+      2. else, while fewer than `size` live games exist, a new one (textworld.start), reset and replayed;
+      3. else the least recently used idle one: reset and replayed if it holds the same game, else closed and a new
+         one started in its place. A live game is never load()ed with another game: TextWorld 1.7 leaks the
+         previous game's interpreter memory there (~0.4 MB a load, measured; a long run over more games than the
+         pool grew past 1 GB), while a closed one is freed whole (its copy of the frotz library unloaded).
+    Thread-safe: a live game is used by one call at a time. A copy (pickled to a Ray EnvWorker) starts empty."""
 
     def __init__(self, size: int):
         if size < 1:
@@ -189,8 +210,15 @@ class GamePool:
         self.size = size
         self.idle: OrderedDict[int, Live] = OrderedDict()   # least recently used first
         self.lock = threading.Lock()
+        self.count = 0           # live games open now, idle or checked out
         self.starts = 0          # live games started (textworld.start): the pool's misses
-        self.replays = 0         # commands replayed to bring a live game to a position
+        self.replays = 0         # commands stepped to bring a live game to a position (after a reset or not)
+
+    def __getstate__(self) -> dict:
+        return {"size": self.size}   # live games (ctypes handles) and the lock do not travel
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["size"])
 
     def play(self, path: str, commands: tuple[str, ...], command: str | None = None):
         """The textworld GameState at (path, commands), after `command` when one is given."""
@@ -207,53 +235,69 @@ class GamePool:
         return last
 
     def checkout(self, path: str, commands: tuple[str, ...]) -> Live:
+        """A live game at (path, commands), taken out of the pool (see the class docstring for which)."""
         with self.lock:
-            for k, live in self.idle.items():             # exactly there: nothing to replay
-                if live.path == path and live.commands == commands:
-                    return self.idle.pop(k)
-            same = [k for k, live in self.idle.items() if live.path == path]
-            live = self.idle.pop(same[0]) if same else None
-            if live is None and len(self.idle) >= self.size:
-                live = self.idle.popitem(last=False)[1]   # the least recently used one, to load another game into
-        try:
+            live = None
+            for idle in self.idle.values():           # 1. the furthest along the way, the most recently used on ties
+                if idle.path == path and commands[:len(idle.commands)] == idle.commands and (
+                        live is None or len(idle.commands) >= len(live.commands)):
+                    live = idle
+            if live is None and self.idle and self.count >= self.size:
+                live = next(iter(self.idle.values()))   # 3. the least recently used
             if live is None:
+                self.count += 1                        # 2. (or every idle one busy) a new one, counted now
+            else:
+                del self.idle[id(live)]
+        try:
+            if live is not None and live.path != path:
+                self.discard(live)                     # closed, not load()ed with this game: that leaks
+                with self.lock:
+                    self.count += 1
+                live = None
+            if live is None:
+                live = Live(None, path, (), None)       # (discard() closes and uncounts it if start raises)
                 textworld = import_textworld()
                 infos = textworld.EnvInfos(admissible_commands=True, objective=True, max_score=True, score=True,
                                            policy_commands=True, won=True, lost=True, feedback=True)
-                live = Live(textworld.start(path, request_infos=infos), path, (), None)
+                live.game = textworld.start(path, request_infos=infos)
                 self.starts += 1
-            elif live.path != path:
-                live.game.load(path)
-                live.path = path
-            live.last, live.commands = live.game.reset(), ()
-            for c in commands:
+            if live.last is None or commands[:len(live.commands)] != live.commands:
+                live.last, live.commands = live.game.reset(), ()
+            for c in commands[len(live.commands):]:
                 live.last, _, _ = live.game.step(c)
                 live.commands += (c,)
-            self.replays += len(commands)
+                self.replays += 1
         except BaseException:
-            if live is not None:
-                self.discard(live)
+            self.discard(live)
             raise
         return live
 
     def checkin(self, live: Live) -> None:
+        """Back into the pool as the most recently used; the least recently used idle ones closed while more than
+        `size` are open."""
         with self.lock:
             self.idle[id(live)] = live
-            while len(self.idle) > self.size:
-                self.discard(self.idle.popitem(last=False)[1])
+            extra = [self.idle.popitem(last=False)[1] for _ in range(min(self.count - self.size, len(self.idle)))]
+        for old in extra:
+            self.discard(old)
 
-    @staticmethod
-    def discard(live: Live) -> None:
+    def discard(self, live: Live) -> None:
+        """Close a live game taken out of the pool (frotz shuts down; its copy of the library is unloaded when the
+        object is collected, at once in CPython) and stop counting it."""
+        with self.lock:
+            self.count -= 1
         try:
-            live.game.close()   # frotz shuts down; its copy of the library is unloaded when the object is collected
+            if live.game is not None:
+                live.game.close()
         except Exception:
             pass
 
     def close(self) -> None:
         """Close every idle live game."""
         with self.lock:
-            while self.idle:
-                self.discard(self.idle.popitem()[1])
+            idle, self.idle = list(self.idle.values()), OrderedDict()
+        for live in idle:
+            self.discard(live)
 
 
 # ----------------------------------------------------------------------------------------------------
