@@ -100,6 +100,9 @@ class RolloutConfig:
     max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
     partial_rollouts: bool = False   # async_rollouts, torch engine in this process: pushes land mid-generation, at
                                      # the next token boundary. Faster, not reproducible run to run (timing)
+    external_agent: str = ""         # "path/to/agent.py:function": your own agent plays the episodes, against an
+                                     # OpenAI-compatible server over the engine, run(task, base_url, session) -> reward
+                                     # or final answer (external_agent.py, docs/external_agent.md). "": our agent loop
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
@@ -446,6 +449,7 @@ def validate(cfg: Config) -> Config:
                          "rollout.async_rollouts=false, or rollout.engine=torch")
     validate_ray(cfg)
     validate_judge(cfg)
+    validate_external_agent(cfg)
     if cfg.eval.n_samples < 1:
         raise ValueError(f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)")
     if any(not 1 <= k <= cfg.eval.n_samples for k in cfg.eval.pass_k):
@@ -460,6 +464,23 @@ def validate(cfg: Config) -> Config:
         raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
                          "non-empty")
     return cfg
+
+
+def validate_external_agent(cfg: Config):
+    """rollout.external_agent names a function in a Python file, played in this process, synchronously (its file is
+    checked by runs.check_paths, its function when external_agent.py imports it)."""
+    spec = cfg.rollout.external_agent
+    if not spec:
+        return
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"rollout.external_agent={spec!r} must look like path/to/agent.py:function")
+    if cfg.rollout.async_rollouts or cfg.ray.rollout_workers:
+        raise ValueError("rollout.external_agent runs your agent in this process, one batch at a time: it cannot go "
+                         "with rollout.async_rollouts or ray.rollout_workers")
+    if cfg.rollout.engine == "openai":
+        raise ValueError("rollout.external_agent trains the engine it serves in this process: rollout.engine must be "
+                         "torch or vllm, not openai")
 
 
 def validate_async(cfg: Config):

@@ -395,6 +395,8 @@ def check_paths(cfg, training: bool = True):
                 check_file(spec.kwargs[name], f"envs.{i}.kwargs.{name}")
     if training and cfg.model.path != "default":
         check_model_folder(cfg.model.path, "model.path")
+    if training and cfg.rollout.external_agent:   # "path.py:function" (config.py checked the form)
+        check_file(cfg.rollout.external_agent.rpartition(":")[0], "rollout.external_agent")
     if training and cfg.algo.teacher_path:
         check_model_folder(cfg.algo.teacher_path, "algo.teacher_path")
     if training and cfg.resume and cfg.resume != "auto":

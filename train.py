@@ -24,9 +24,9 @@ each turn with its own return instead); batches without signal are skipped, not 
 
 Who does what: a rollout source plays the episodes (agent.LocalRollouts), a schedule says when each step's batch is
 sampled and when weights are pushed (SyncSchedule). Wings answer the same calls, reached by name (rollout.wing) when
-the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora, judge.LLMJudge. Under
-torchrun every rank runs this main(): rank 0 alone plays, evaluates, logs and writes, every rank takes its share of
-the update.
+the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora,
+judge.LLMJudge. Under torchrun every rank runs this main(): rank 0 alone plays, evaluates, logs and writes, every
+rank takes its share of the update.
 Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
 Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B episodes, T tokens, G group size.
@@ -300,6 +300,8 @@ def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_mo
     if weights is not None:
         engine.update_weights(weights)
     judge = wing("judge.LLMJudge").from_config(cfg) if cfg.rollout.judge.model_path else None  # the envs' own: None
+    if cfg.rollout.external_agent:                    # the user's own agent plays, against a server over the engine
+        return wing("external_agent.ExternalRollouts")(cfg, engine, envs, tokenizer, judge=judge)
     return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent, judge=judge)
 
 

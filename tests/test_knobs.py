@@ -88,7 +88,6 @@ JUDGE_OFF = ("a setting of the LLM judge, refused while rollout.judge.model_path
              "tests/test_judge.py checks each with a judge on (scripted engines, the config's checks, the tiny model "
              "as the judge through the torch engine)")
 PERF = "speed or memory only (seen in perf/*, which is wall-clock): the numbers agree to float rounding"
-PERF = "speed or memory only (seen in perf/*, which is wall-clock): the numbers agree to float rounding"
 
 KNOBS: dict[str, Knob] = {
     # --- the run
@@ -143,10 +142,6 @@ KNOBS: dict[str, Knob] = {
                                  "adds a judge's score to finished episodes of envs with a judge (tau_lite); the tiny "
                                  "model never finishes a tau_lite episode, and toy_math has no judge (there the knob "
                                  "is ignored, not refused); tests/test_env_tau.py plays judged episodes"),
-    "rollout.async_rollouts": Knob("true", TIS),
-    "rollout.max_staleness": Knob("2", (*ASYNC, *TIS, "steps=3")),
-    "rollout.partial_rollouts": Knob("true", expect=REFUSED, why="refused without async rollouts; with them its "
-                                     "effect depends on timing (tests/test_async_rollouts.py)"),
     "rollout.judge.model_path": Knob("<model>", ("rollout.judge_weight=1.0",), why="the tiny model as an LLM judge "
                                      "(judge.py): its verdicts are logged (rollout/judge_score, judge_failures) and "
                                      "added to the rewards"),
@@ -160,6 +155,9 @@ KNOBS: dict[str, Knob] = {
     "rollout.max_staleness": Knob("2", (*ASYNC, *TIS, "steps=3")),
     "rollout.partial_rollouts": Knob("true", expect=REFUSED, why="refused without async rollouts; with them its "
                                      "effect depends on timing (tests/test_async_rollouts.py)"),
+    "rollout.external_agent": Knob("examples/calc_agent.py:run", why="the example agent plays the episodes through "
+                                   "serve.Server, each call seeded by its session: other samples (needs openai; "
+                                   "tests/test_external_agent.py)"),
     "rollout.agent.n_samples": Knob("3"),
     "rollout.agent.max_turns": Knob("1"),
     "rollout.agent.max_total_tokens": Knob("150", ("algo.overlong_cache=100",)),

@@ -18,9 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["model", "algos", "plot", "distributed", "sandbox", "sandbox_exec", "tools", "env", "chat", "agent", "rollout",
         "learner", "config", "runs", "eval", "sft", "train"]
 WINGS = ["engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "cluster", "chat_llama3",
-         "serve", "judge"]
+         "serve", "judge", "external_agent"]
 WORLDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "env_*.py")))
 WORLDS_LIB = "worlds"                          # what the worlds share (expert replay, JSON-lines files): theirs alone
+WING_IMPORTS = {"external_agent": {"serve"}}    # the user's agent talks to serve.Server's HTTP API: a wing on a wing
 CONFIG_IMPORTS = {"agent", "learner",          # the dataclasses config.Config assembles (AgentConfig, LearnerConfig)
                   "algos", "chat"}             # the catalogues it checks names against (algos' kinds, CHAT_FORMATS)
 
@@ -58,7 +59,7 @@ def test_config_imports_only_what_it_assembles():
 @pytest.mark.parametrize("name", WINGS + WORLDS + [WORLDS_LIB])
 def test_a_wing_imports_the_core_and_no_other_wing(name):
     imports = local_imports(name)
-    allowed = set(CORE)
+    allowed = set(CORE) | WING_IMPORTS.get(name, set())
     if name in WORLDS:                           # a world may use the worlds' shared library
         allowed |= {WORLDS_LIB} | ({"env_code"} if name == "env_humaneval" else set())  # HumanEval: CodeEnv grades
     assert imports <= allowed, f"{name}.py imports {sorted(imports - allowed)}"
@@ -82,3 +83,4 @@ def test_the_registries_name_files_that_exist():
                    if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
         assert attr in defined, f"{entry}: {module}.py defines no {attr}"
     assert set(env.ENTRY_POINTS.values()) <= set(WORLDS)
+

@@ -1,0 +1,295 @@
+"""external_agent.py: training the user's own agent, one written against OpenAI's API, not against our agent loop (a
+wing of train.py: the rollout source; turned on by rollout.external_agent=path.py:function).
+
+    python train.py --config configs/toy_math.yaml rollout.external_agent=examples/calc_agent.py:run
+
+The user's callable is run once per episode, in a thread of this process:
+
+    run(task: dict, base_url: str, session: str) -> float | str | list[float] | None
+
+  task      {"id", "env", "prompt"}: the task as plain data. The reference answer is left out: the agent never sees it.
+  base_url  a serve.Server over the run's engine (http://127.0.0.1:PORT/v1), which any OpenAI client can talk to.
+            It serves whatever model name the agent asks for: the policy being trained answers.
+  session   the episode's id, to be sent with every request, as OpenAI's `user` field or the X-Session-Id header.
+            A request that names no session, or one not running now, is refused (400).
+  returns   a number: the episode's reward (the agent grades itself); a string: its final answer, graded here by the
+            env's own grader (env.grade_answer(task, answer), as env.step grades a finish call: the reference stays
+            with the trainer); a list of numbers: one reward per turn (per request of the session), their sum the
+            episode's reward (algo.credit=turn uses them; otherwise the last turn's own credit). None, a NaN, a bool
+            or anything else: no reward.
+
+What the agent may not choose: the server samples with the run's settings (rollout.temperature, top_p, top_k; at
+eval, eval_temperature), and a request that asks for other ones is refused (400) rather than trained on as if it had
+been sampled otherwise; max_tokens is capped at rollout.max_tokens and at the room left in the context window
+(rollout.agent.max_total_tokens; a prompt that already fills it is refused: context_length_exceeded); the seed is
+the episode's own, mix_seed(episodes seed, group, sample, call index), so a run is reproducible whatever order the
+threads reach the engine in (the server serves calls one at a time, so each call's seed gives its samples).
+
+An episode counts as failed, and its group is dropped and refilled (train.collect_rollouts, exactly as for an env
+that raised: finish_reason "env_error", counted in rollout/failed_episodes and rollout/dropped_groups) when the
+agent raises (rollout/external_errors), runs past its timeout (rollout/external_timeouts: a `timeout_s` attribute
+on the callable, else TIMEOUT_S; the thread cannot be killed, so it is left to finish on its own, daemonic, and its
+session is closed: its later requests are refused), returns no reward (rollout/external_no_reward), made no request,
+or its session is not one trajectory (rollout/external_branched: the client rewrote its history, so the prefix
+invariant of serve.py broke, or asked for n > 1 on its last call). In this first version a branched session is
+dropped, not trained as rows per turn. Held-out evaluation plays through the same agent, and a failed episode there
+scores 0.
+
+The trajectories are serve.session_trajectories' rows: exactly the ids the engine was given and sampled, with its
+log-probs, kept-set sizes and weight versions, so group advantages, turn credit and the off-policy corrections work
+unchanged. Weights go to the engine through the Server (update_weights under its lock), and the weight-sync gate
+probes the engine through it (generate), as for any rollout source. Docs: docs/external_agent.md.
+
+Imports: serve.py, agent.py, env.py (and the standard library).
+"""
+import importlib.util
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from agent import AgentConfig, Trajectory, finish_episodes
+from env import Env, Task, mix_seed
+from serve import RequestError, Server, Stops, session_trajectories
+
+TIMEOUT_S = 600.0          # seconds an episode may run, unless the callable has a `timeout_s` attribute
+WORKERS = 32               # episodes running at once (threads); the engine still serves one call at a time
+
+
+def load_agent(spec: str):
+    """"path.py:function" -> that callable, the file imported now, under its file's name but not entered in
+    sys.modules (a user's agent.py must not shadow ours). A missing file, an import that raises or a name that is not
+    a callable is a ValueError naming rollout.external_agent."""
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"rollout.external_agent={spec!r} must look like path/to/agent.py:function")
+    if not os.path.isfile(path):
+        raise ValueError(f"rollout.external_agent: no file {path!r}")
+    module_name = os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"rollout.external_agent: importing {path} raised {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"rollout.external_agent: {path} defines no callable {name!r}")
+    return fn
+
+
+# -----------------------------------------------------------------------------
+# the server: the run's sampling, the episodes' sessions and seeds
+
+class RunServer(Server):
+    """serve.Server for a training run: it samples with the run's settings, serves only the sessions of episodes
+    running now (each with its own seed), and answers to any model name (the policy is the only model)."""
+
+    def __init__(self, engine, tokenizer, chat_format: str, context: int):
+        super().__init__(engine, tokenizer, "policy", chat_format, max_model_len=context, max_n=8)
+        self.params = None                            # the SamplingParams of the play() in progress
+        self.seeds: dict[str, int] = {}               # running session -> its seed (mix_seed(seed, group, sample))
+        self.sessions_lock = threading.Lock()
+
+    def open(self, session: str, seed: int):
+        with self.sessions_lock:
+            self.seeds[session] = seed
+
+    def close(self, session: str) -> list:
+        """The session's calls, handed over; later requests naming it are refused."""
+        with self.sessions_lock:
+            self.seeds.pop(session, None)
+        return self.capture.pop(session)
+
+    def check_model(self, body: dict):                # any name: whatever the agent calls its model, the policy answers
+        if not isinstance(body.get("model", ""), str):
+            raise RequestError(400, "model must be a string", "model")
+
+    def run_body(self, body: dict, session: str | None) -> dict:
+        """The request with the episode's seed in it (the call index within the session picks it), or a 400."""
+        with self.sessions_lock:
+            seed = self.seeds.get(session) if session is not None else None
+        if seed is None:
+            raise RequestError(400, f"session {session!r} is not an episode running now: send the session id given "
+                                    "to your run() as `user` or the X-Session-Id header", "user")
+        return {**body, "seed": mix_seed(seed, len(self.capture.calls(session)))}
+
+    def chat(self, body: dict, session: str | None) -> dict:
+        return super().chat(self.run_body(body, session), session)
+
+    def completions(self, body: dict, session: str | None) -> dict:
+        return super().completions(self.run_body(body, session), session)
+
+    def sampling(self, body: dict, prompt_len: int, stops: Stops):
+        """The run's temperature, top_p and top_k (a request asking for others is refused), max_tokens capped at the
+        run's and at the room left in the context window."""
+        p = self.params
+        for key, ours, default in (("temperature", p.temperature, None), ("top_p", p.top_p, None),
+                                   ("top_k", p.top_k, (0, -1))):
+            theirs = body.get(key)
+            if theirs is not None and theirs != ours and not (default and theirs in default and ours == 0):
+                raise RequestError(400, f"{key}={theirs!r}: this server samples with the training run's {key}="
+                                        f"{ours!r} (rollout.{key}; eval_temperature when evaluating): leave {key} "
+                                        "out of the request", key)
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = body.get(key)
+        room = self.max_model_len - prompt_len
+        if room < 1 or asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+            return super().sampling(body, prompt_len, stops)   # the parent's 400 says what is wrong
+        body = {**body, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                "max_tokens": min(asked or p.max_tokens, p.max_tokens, room), "max_completion_tokens": None}
+        return super().sampling(body, prompt_len, stops)
+
+
+# -----------------------------------------------------------------------------
+# running the user's callable
+
+@dataclass
+class Outcome:
+    """What one run of the user's callable gave."""
+    result: object = None              # what it returned
+    error: str | None = None           # "ExceptionName: message" when it raised
+    timed_out: bool = False            # still running at its deadline (its thread is abandoned)
+
+
+def run_callables(fn, args: list[tuple], timeout_s: float, workers: int = WORKERS,
+                  on_timeout=lambda i: None) -> list[Outcome]:
+    """fn(*args[i]) for every i, at most `workers` at once, each in a daemon thread of its own -> one Outcome each,
+    in order. An exception is caught into its Outcome; a call running past timeout_s (counted from its own start)
+    is abandoned: on_timeout(i) is called (the session closed) and a new call takes its place."""
+    out = [Outcome() for _ in args]
+    changed = threading.Event()
+
+    def call(i):
+        outcome = out[i]                              # after a timeout out[i] is another object: this one is dropped
+        try:
+            outcome.result = fn(*args[i])
+        except BaseException as e:                    # the user's code: anything it raises ends its episode only
+            outcome.error = f"{type(e).__name__}: {e}"
+        changed.set()
+
+    pending, running = list(range(len(args)))[::-1], {}   # running: index -> (thread, start)
+    while pending or running:
+        while pending and len(running) < workers:
+            i = pending.pop()
+            thread = threading.Thread(target=call, args=(i,), daemon=True, name=f"external-agent-{i}")
+            running[i] = (thread, time.monotonic())
+            thread.start()
+        now = time.monotonic()
+        for i, (thread, start) in list(running.items()):
+            if not thread.is_alive():
+                del running[i]
+            elif now - start > timeout_s:
+                out[i] = Outcome(timed_out=True)      # what the thread returns later is not looked at
+                on_timeout(i)
+                del running[i]
+        if running:
+            deadline = min(start for _, start in running.values()) + timeout_s
+            changed.wait(timeout=max(0.001, min(0.5, deadline - time.monotonic())))
+            changed.clear()
+    return out
+
+
+def grade(result, env: Env, task: Task, turns: int) -> tuple[float, list[float], dict] | None:
+    """What the callable returned -> (reward, per-turn rewards, info), or None: no reward. A string is a final answer
+    graded by the env (env.grade_answer); a number the reward, credited to the last turn; a list one per turn."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if isinstance(result, str):
+        reward, extra = env.grade_answer(task, result)
+        return float(reward), [0.0] * (turns - 1) + [float(reward)], {"answer": result, **extra}
+    if number(result):
+        return float(result), [0.0] * (turns - 1) + [float(result)], {}
+    if isinstance(result, (list, tuple)) and len(result) == turns and all(number(x) for x in result):
+        return float(sum(result)), [float(x) for x in result], {}
+    return None
+
+
+def failed(task: Task, group: int, sample: int, error: str) -> Trajectory:
+    """An episode that ended in the agent's failure: empty, finish_reason env_error, which collect_rollouts drops
+    with its group (and evaluation scores 0)."""
+    return Trajectory(task=task, group=group, sample=sample, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
+                      messages=[], env_errors=1, finish_reason="env_error", info={"error": error})
+
+
+def episode(calls: list, outcome: Outcome, env: Env, task: Task, group: int, sample: int, session: str
+            ) -> tuple[Trajectory, str]:
+    """One episode's session and what its callable gave -> (its trajectory, its kind: ok | error | timeout |
+    no_reward | branched)."""
+    if outcome.timed_out:
+        return failed(task, group, sample, f"the agent ran past its timeout (session {session})"), "timeout"
+    if outcome.error is not None:
+        return failed(task, group, sample, f"the agent raised {outcome.error}"), "error"
+    if not calls:
+        return failed(task, group, sample, f"the agent made no request in session {session}"), "error"
+    rows, metrics = session_trajectories(calls, session)
+    if metrics["serve/branched"] or len(rows) != 1:
+        return failed(task, group, sample, f"session {session} is not one trajectory ({len(rows)} rows: the client "
+                                           "rewrote its history, or asked for n > 1 on its last call)"), "branched"
+    graded = grade(outcome.result, env, task, rows[0].num_turns)
+    if graded is None:
+        return failed(task, group, sample, f"the agent returned no reward: {outcome.result!r:.200}"), "no_reward"
+    traj = rows[0]
+    traj.task, traj.group, traj.sample = task, group, sample
+    traj.reward, traj.turn_rewards, traj.info = graded
+    traj.done, traj.finish_reason = True, "done"       # the agent ended the episode
+    used = [c.samples[n.parent] for c, n in zip(calls, calls[1:])] + [calls[-1].samples[0]]
+    traj.truncated_turns = sum(s.finish_reason == "length" for s in used)   # turns cut at max_tokens
+    return traj, "ok"
+
+
+# -----------------------------------------------------------------------------
+# the rollout source
+
+class ExternalRollouts:
+    """The rollout source of rollout.external_agent: it answers as agent.LocalRollouts does (play, generate,
+    update_weights, sleep, wake_up, shutdown), the episodes played by the user's callable against a RunServer over
+    the run's engine."""
+
+    def __init__(self, cfg, engine, envs: dict[str, Env], tokenizer, fn=None, judge=None):
+        self.fn = fn or load_agent(cfg.rollout.external_agent)
+        self.judge = judge                            # an LLM judge (judge.py) of finished episodes, or None
+        self.timeout_s = float(getattr(self.fn, "timeout_s", TIMEOUT_S))
+        self.envs, self.agent = envs, cfg.rollout.agent
+        self.server = RunServer(engine, tokenizer, cfg.rollout.agent.chat_format, cfg.rollout.agent.max_total_tokens)
+        self.url = self.server.start()
+
+    def play(self, tasks: list[Task], params, seed: int, judge_weight: float = 0.0,
+             agent: AgentConfig | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """n_samples runs of the callable per task -> (trajectories group-major, rollout/external_* counts). Session
+        f"{seed}/{group}/{sample}"; its calls are seeded from mix_seed(seed, group, sample)."""
+        G = (agent or self.agent).n_samples
+        self.server.params = params
+        jobs = [(g, s, f"{seed}/{g}/{s}") for g in range(len(tasks)) for s in range(G)]
+        for g, s, session in jobs:
+            self.server.open(session, mix_seed(seed, g, s))
+        args = [({"id": tasks[g].id, "env": tasks[g].env, "prompt": tasks[g].prompt}, self.url, session)
+                for g, s, session in jobs]
+        outcomes = run_callables(self.fn, args, self.timeout_s, on_timeout=lambda i: self.server.close(jobs[i][2]))
+        trajs, kinds = [], []
+        for (g, s, session), outcome in zip(jobs, outcomes):
+            traj, kind = episode(self.server.close(session), outcome, self.envs[tasks[g].env], tasks[g], g, s, session)
+            trajs.append(traj)
+            kinds.append(kind)
+        finish_episodes(self.envs, trajs, judge_weight, self.judge)    # judge_weight > 0: the judge's score added
+        counted = {"error": "errors", "timeout": "timeouts", "no_reward": "no_reward", "branched": "branched"}
+        return trajs, {f"rollout/external_{name}": float(kinds.count(kind)) for kind, name in counted.items()}
+
+    def generate(self, prompts: list[list[int]], params) -> list:
+        """The engine's generate, through the server's lock (the weight-sync gate's probe)."""
+        return self.server.generate(prompts, params)
+
+    def update_weights(self, state_dict: dict, version: int | None = None) -> dict[str, float]:
+        self.server.update_weights(state_dict, version)
+        return {}
+
+    def sleep(self):
+        self.server.sleep()
+
+    def wake_up(self):
+        self.server.wake_up()
+
+    def shutdown(self):
+        self.server.stop()

