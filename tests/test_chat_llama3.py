@@ -16,6 +16,7 @@ import jinja2.ext
 import pytest
 from hypothesis import given, settings, strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from conftest import need
 
 import chat
 import chat_llama3
@@ -254,7 +255,7 @@ def test_render_matches_the_llama32_template_given_the_date(case):
 
 def test_transformers_apply_chat_template_agrees(llama_tok):
     """The jinja oracle above renders as transformers does (its tojson with indent=, bos_token, trim)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "the oracle of Hugging Face's own template rendering")
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=llama_tok, bos_token=BOS, eos_token=EOT)
     hf.chat_template = LLAMA31_TEMPLATE
     for case, (messages, tools) in RENDER_CASES.items():
@@ -679,7 +680,7 @@ def test_tiny_llama_trains_end_to_end(tmp_path):
     episodes = [json.loads(l) for l in open(f"{summary['run_dir']}/episodes_step2.jsonl")]
     assert any("tool_calls" in m for e in episodes for m in e["messages"] if m["role"] == "assistant")
     # the trained folder loads in transformers, and its template renders the dumped conversations as we do
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "the oracle of Hugging Face's own template rendering")
     hf = transformers.AutoTokenizer.from_pretrained(f"{summary['run_dir']}/final")
     for e in episodes:
         assert hf.apply_chat_template(e["messages"], tools=env.tools(), tokenize=False) == \

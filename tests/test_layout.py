@@ -84,3 +84,11 @@ def test_the_registries_name_files_that_exist():
         assert attr in defined, f"{entry}: {module}.py defines no {attr}"
     assert set(env.ENTRY_POINTS.values()) <= set(WORLDS)
 
+
+def test_the_package_ships_every_top_level_file():
+    """pyproject.toml's py-modules (what `pip install .` installs) names every top-level file, so a new wing is not
+    left out of an installed copy."""
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    listed = ast.literal_eval(text[text.index("py-modules = ") + len("py-modules = "):].split("]")[0] + "]")
+    files = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py")))
+    assert sorted(listed) == files
