@@ -15,7 +15,8 @@ What each must give: no exception out of the run; the counter that owns the faul
 (rollout/tool_errors, tool_timeouts and parse_failures summed over episodes; an observation cut with its marker for
 1 MB; rollout/failed_episodes; train/skipped_nonfinite); the episodes go on (a tool fault is an observation, the
 next turn answers it); and the batch the learner trains on is the one it should be. An episode whose env raised is
-dropped with its group (train.collect_rollouts), never half-trained: the update equals, torch.equal on every weight,
+dropped with its group (train.collect_rollouts, which samples new prompts in its place for up to
+algo.max_refill_rounds=3 more rounds), never half-trained: the update equals, torch.equal on every weight,
 the update on the batch built without those groups; a NaN step leaves every weight as it was.
 "lost" counts episodes that vanished without a counter: it must be 0.
 
@@ -169,7 +170,7 @@ def setup(args) -> tuple:
                                    tie_word_embeddings=True), seed=args.seed)
     cfg = load_config(None, ["envs=[{name: faults_calc}]", f"rollout.prompts_per_step={args.tasks}",
                              f"rollout.agent.n_samples={args.samples}", "rollout.agent.max_turns=3",
-                             "rollout.max_tokens=64", "rollout.agent.max_total_tokens=8192", "algo.max_refill_rounds=0",
+                             "rollout.max_tokens=64", "rollout.agent.max_total_tokens=8192", "algo.max_refill_rounds=3",
                              f"seed={args.seed}",
                              "algo.skip_uniform_batches=false"])
     return tok, model, cfg
@@ -224,25 +225,30 @@ def run_scenario(name: str, tok, model, cfg: Config, args) -> dict:
             row["counted"] = round(metrics[key] * n)
     elif name in CALL_FAULTS:
         row["injected"], row["counted"] = engine.injected, round(metrics["rollout/parse_failures"] * n)
-    else:                                                      # env faults: dropped with their groups, refilled never
+    else:                                                      # env faults: dropped with their groups, refilled
         row["injected"], row["counted"] = world.injected, metrics["rollout/failed_episodes"]
-        G = cfg.rollout.agent.n_samples
-        want = cfg.rollout.prompts_per_step * G
-        dropped = metrics["rollout/dropped_groups"] * G
-        row["lost"] = want - n - dropped                       # episodes gone without a count
-        # the same play again, every group kept, then the failed groups removed by hand: the batch without them
+        G, want = cfg.rollout.agent.n_samples, cfg.rollout.prompts_per_step
+        # the same rounds played again with every group kept, then the failed groups removed by hand and the first
+        # `want` whole groups taken: the batch without them
+        import train
         world2 = FaultEnv(name, args.rate, args.seed)
         engine2 = ScriptedAgent(tok, name, args.rate, args.seed, world2)
-        import train
-        tasks = train.sample_mixture({"faults_calc": world2}, [("faults_calc", 1.0)], "train",
-                                     cfg.rollout.prompts_per_step, train.mix_seed(cfg.seed, 1, train.SEED_TASKS, 0))
-        raw, _ = LocalRollouts(engine2, {"faults_calc": world2}, tok, cfg.rollout.agent).play(
-            tasks, train.SamplingParams.of(cfg.rollout), train.mix_seed(cfg.seed, 1, train.SEED_EPISODES, 0))
-        groups = [raw[i:i + G] for i in range(0, len(raw), G)]
-        without = [t for g in groups if not any(t.finish_reason == "env_error" for t in g) for t in g]
+        whole, played = [], 0
+        for r in range(int(metrics["rollout/rounds"])):
+            tasks = train.sample_mixture({"faults_calc": world2}, [("faults_calc", 1.0)], "train", want,
+                                         train.mix_seed(cfg.seed, 1, train.SEED_TASKS, r))
+            raw, _ = LocalRollouts(engine2, {"faults_calc": world2}, tok, cfg.rollout.agent).play(
+                tasks, train.SamplingParams.of(cfg.rollout), train.mix_seed(cfg.seed, 1, train.SEED_EPISODES, r))
+            played += len(raw)
+            groups = [raw[i:i + G] for i in range(0, len(raw), G)]
+            whole += [g for g in groups if not any(t.finish_reason == "env_error" for t in g)]
+        without = [t for g in whole[:want] for t in g]
+        # every episode played is in the batch, in a dropped group (counted), or in a whole group past the batch
+        row["lost"] = played - n - G * metrics["rollout/dropped_groups"] - G * max(0, len(whole) - want)
         a, b = update(model, tok, cfg, trajs), update(model, tok, cfg, without)
         equal = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-        row["check"] = f"update == update without the failed groups: {equal}"
+        row["check"] = (f"update == update without the failed groups: {equal} ({int(metrics['rollout/rounds'])} "
+                        f"rounds)")
         row["survived"] = equal and all(t.finish_reason != "env_error" for t in trajs)
     row["survived"] = row["survived"] and n > 0 and all(t.num_turns >= 1 for t in trajs)
     return row

