@@ -35,6 +35,8 @@ class ModelSpec:
                                      # "default": the embedded tiny model, built on first use and cached
     dtype: str = "float32"           # parameter dtype of the learner and the torch engine (float32|bfloat16)
     cache_dir: str = ".cache"        # where the embedded default model is built and cached
+    quantize: str = "none"           # the frozen base of a LoRA run: "none" (model.dtype) or "nf4" (4-bit NormalFloat,
+                                     # QLoRA: qlora.py, docs/qlora.md; needs learner.lora_rank > 0)
 
 
 @dataclass
@@ -463,6 +465,12 @@ def validate(cfg: Config) -> Config:
     if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):
         raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
                          "non-empty")
+    if cfg.model.quantize not in ("none", "nf4"):
+        raise ValueError(f"model.quantize={cfg.model.quantize!r} must be 'none' or 'nf4' (4-bit NormalFloat base, "
+                         "QLoRA)")
+    if cfg.model.quantize == "nf4" and not cfg.learner.lora_rank:
+        raise ValueError("model.quantize=nf4 freezes the base in 4 bits, so only LoRA adapters can train: set "
+                         "learner.lora_rank > 0 (e.g. learner.lora_rank=16 learner.lr=2e-3), or model.quantize=none")
     return cfg
 
 

@@ -24,9 +24,9 @@ each turn with its own return instead); batches without signal are skipped, not 
 
 Who does what: a rollout source plays the episodes (agent.LocalRollouts), a schedule says when each step's batch is
 sampled and when weights are pushed (SyncSchedule). Wings answer the same calls, reached by name (rollout.wing) when
-the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora,
-judge.LLMJudge. Under torchrun every rank runs this main(): rank 0 alone plays, evaluates, logs and writes, every
-rank takes its share of the update.
+the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora (qlora.apply_qlora),
+judge.LLMJudge, external_agent.ExternalRollouts. Under torchrun every rank runs this main(): rank 0 alone plays,
+evaluates, logs and writes, every rank takes its share of the update.
 Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
 Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B episodes, T tokens, G group size.
@@ -253,8 +253,9 @@ def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_
     engine_model = (model if shared else copy.deepcopy(model).eval()) if in_process else None
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
-        wing("lora.apply_lora")(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets),
-                                seed=cfg.seed)
+        # model.quantize=nf4: the same adapters on a base stored in 4 bits (QLoRA)
+        wrap = wing("qlora.apply_qlora") if cfg.model.quantize == "nf4" else wing("lora.apply_lora")
+        wrap(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
     model = shard_model(model, learner_cfg)           # one process: unsharded, on the GPU if there is one
     ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
     if engine_model is not None:                      # where the learner computes: rank 0's GPU, or the CPU

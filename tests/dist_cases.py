@@ -2,7 +2,7 @@
 (one process, the reference) and under `torchrun --nproc_per_node 2` (gloo, FSDP2), then compare.
 
     PYTHONPATH=. torchrun --nproc_per_node 2 tests/dist_cases.py grads OUT.pt
-    PYTHONPATH=. torchrun --nproc_per_node 2 tests/dist_cases.py lora OUT.pt
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/dist_cases.py lora OUT.pt    (qlora: the same on an NF4 base)
 
 Each case returns a dict of plain tensors/floats, the same on every rank; rank 0 saves it.
 """
@@ -15,6 +15,7 @@ import torch
 from distributed import cleanup_distributed, full_state_dict, get_world_size, init_distributed, is_main, shard_model
 from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, merged_state_dict, sft_step, train_step
 from lora import apply_lora
+from qlora import apply_qlora
 from model import ModelConfig, init_model
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -106,10 +107,11 @@ def case_grads() -> dict:
     return out
 
 
-def case_lora() -> dict:
-    """LoRA (r=4) SFT on one fixed batch for 15 steps: the losses, the adapters and the merged weights."""
+def case_lora(wrap=apply_lora) -> dict:
+    """LoRA (r=4) SFT on one fixed batch for 15 steps: the losses, the adapters and the merged weights. `wrap`:
+    apply_lora, or qlora.apply_qlora (the base in NF4, tests/test_qlora.py)."""
     cfg = LearnerConfig(lr=LORA_LR, micro_batch_size=3, grad_clip=1.0)
-    model = apply_lora(init_model(CFG, seed=0), rank=4, alpha=8.0, seed=0)
+    model = wrap(init_model(CFG, seed=0), rank=4, alpha=8.0, seed=0)
     state = _learner(model, cfg)
     step_grads = record_gradients(state)
     b = make_batch()
@@ -123,7 +125,7 @@ def case_lora() -> dict:
             "world_size": get_world_size()}
 
 
-CASES = {"grads": case_grads, "lora": case_lora}
+CASES = {"grads": case_grads, "lora": case_lora, "qlora": lambda: case_lora(apply_qlora)}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

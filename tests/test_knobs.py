@@ -114,6 +114,8 @@ KNOBS: dict[str, Knob] = {
     "model.path": Knob("<run>/no_such_model", expect=REFUSED),
     "model.dtype": Knob("bfloat16"),
     "model.cache_dir": Knob("<run>/cache", SFT),
+    "model.quantize": Knob("nf4", LORA, why="the base in 4 bits: other logits, samples and adapters; without LoRA "
+                           "it is refused (tests/test_qlora.py)"),
     # --- envs (the first env of the list)
     "envs.0.name": Knob("text_math"),
     "envs.0.weight": Knob("3.0", TWO_ENVS),

@@ -17,11 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the core, bottom to top: a core file imports only core files listed before it
 CORE = ["model", "algos", "plot", "distributed", "sandbox", "sandbox_exec", "tools", "env", "chat", "agent", "rollout",
         "learner", "config", "runs", "eval", "sft", "train"]
-WINGS = ["engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "cluster", "chat_llama3",
+WINGS = ["engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "qlora", "cluster", "chat_llama3",
          "serve", "judge", "external_agent"]
 WORLDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "env_*.py")))
 WORLDS_LIB = "worlds"                          # what the worlds share (expert replay, JSON-lines files): theirs alone
-WING_IMPORTS = {"external_agent": {"serve"}}    # the user's agent talks to serve.Server's HTTP API: a wing on a wing
+WING_IMPORTS = {"external_agent": {"serve"},    # the user's agent talks to serve.Server's HTTP API: a wing on a wing
+                "qlora": {"lora"}}             # QLoRA is LoRA on an NF4 base: its layers are lora.LoRALinear
 CONFIG_IMPORTS = {"agent", "learner",          # the dataclasses config.Config assembles (AgentConfig, LearnerConfig)
                   "algos", "chat"}             # the catalogues it checks names against (algos' kinds, CHAT_FORMATS)
 
