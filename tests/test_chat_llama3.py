@@ -8,7 +8,6 @@ driven by a scripted engine that answers with hand-written texts and a chosen en
 import json
 import random
 import time
-from dataclasses import dataclass, replace
 from datetime import datetime
 
 import jinja2
@@ -17,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from conftest import need
+from test_agent import CalcEnv  # noqa: E402
 
 import chat
 import chat_llama3
@@ -476,33 +476,7 @@ def test_assistant_message_round_trips(text):
 # -----------------------------------------------------------------------------
 # the agent loop: a llama3 tokenizer, a scripted engine, a calculator env
 
-@dataclass(frozen=True)
-class CalcState:
-    task: object
-    turn: int = 0
-
-
-class CalcEnv:
-    """add, then 'ANSWER: n' ends the episode (as tests/test_agent.py's)."""
-    name = "calc"
-    SYSTEM = "Use the add tool, then reply with ANSWER: <number>."
-    TOOLS = [TOOLS[0]]
-
-    def tools(self):
-        return self.TOOLS
-
-    def reset(self, task, seed):
-        return CalcState(task), [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": task.prompt}]
-
-    def step(self, state, action):
-        state = replace(state, turn=state.turn + 1)
-        if action.parse_error is not None:
-            return state, [{"role": "user", "content": f"Error: {action.parse_error}"}], 0.0, False, {
-                "parse_failures": 1}
-        if action.tool_calls:
-            c = action.tool_calls[0]
-            return state, [{"role": "tool", "name": c.name, "content": str(sum(c.arguments.values()))}], 0.0, False, {}
-        return state, [], float(f"ANSWER: {state.task.answer}" in action.text), True, {}
+# CalcEnv: tests/test_agent.py's (add, then 'ANSWER: n' ends the episode); the format does not change the env
 
 
 def calc_task(i, a, b):

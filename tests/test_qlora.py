@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import qlora
 from config import load_config
 from learner import LearnerConfig, load_checkpoint, make_learner, merged_state_dict, save_checkpoint, sft_step
-from lora import LoRALinear, apply_lora
+from lora import apply_lora
 from model import Transformer
 from qlora import (ABSMAX_BLOCK, BLOCK, NF4, NF4_MAX_GAP, NF4Linear, QLoRALinear, apply_qlora, dequantize_absmax,
                    dequantize_blockwise, dequantize_nf4, dequantized_weight, pack4, quantize_absmax,
@@ -24,6 +24,7 @@ import dist_cases  # noqa: E402
 from dist_cases import CFG, init_model, make_batch  # noqa: E402
 from test_distributed import STEP_GRAD_TOL, SUM_TOL, rel_err, run_case, weight_tol  # noqa: E402
 from test_train import TINY, same_file, tiny  # noqa: E402,F401  (tiny: the session's default model, built once)
+from test_lora import randomize_b  # noqa: E402
 
 # Appendix E of Dettmers et al. 2023 (arXiv 2305.14314), as printed (bitsandbytes' NF4 table, float32)
 PAPER_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -34,15 +35,6 @@ PAPER_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981445
 
 def qlora_model(seed=0, rank=4, alpha=8.0):
     return apply_qlora(init_model(CFG, seed=0), rank=rank, alpha=alpha, seed=seed)
-
-
-def randomize_b(model, seed=1):
-    """Trained-looking adapters: B != 0 (at init B = 0 and the adapter is a no-op)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoRALinear):
-                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
 
 
 # -----------------------------------------------------------------------------
