@@ -84,6 +84,8 @@ def test_the_registries_name_files_that_exist():
                    if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
         assert attr in defined, f"{entry}: {module}.py defines no {attr}"
     assert set(env.ENTRY_POINTS.values()) <= set(WORLDS)
+    import chat
+    assert set(chat.WING_FORMATS.values()) <= set(WINGS)      # the chat formats written in a wing
 
 
 def test_the_package_ships_every_top_level_file():
