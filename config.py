@@ -62,7 +62,7 @@ class JudgeConfig:
     temperature: float = 0.0         # the judge's sampling temperature (0: greedy)
     max_tokens: int = 256            # the judge's reply, in tokens at most; a reply cut before its score is a failure
     rubric: str = ""                 # the judge's prompt, a template naming {conversation} and optionally {task} and
-                                     # {reference} (judge.RUBRIC_FIELDS); "": judge.RUBRIC (0-10, "SCORE: n")
+                                     # {reference} (JUDGE_RUBRIC_FIELDS); "": judge.RUBRIC (0-10, "SCORE: n")
 
 
 @dataclass
@@ -510,8 +510,22 @@ def validate_async(cfg: Config):
                          "ray.rollout_workers=0)")
 
 
-# the fields a judge's rubric may name (judge.RUBRIC_FIELDS; tests/test_judge.py keeps the two equal)
+# what a judge's rubric may name: {task} the user's request (the task's prompt), {conversation} the episode after the
+# system prompt, as text, {reference} the task's ground-truth answer (for reference-guided grading); judge.py fills them
 JUDGE_RUBRIC_FIELDS = ("task", "conversation", "reference")
+
+
+def check_rubric(rubric: str) -> str:
+    """`rubric` if it is a str.format template that names {conversation} and only JUDGE_RUBRIC_FIELDS; else a
+    ValueError naming rollout.judge.rubric (checked at load, and by judge.LLMJudge for a rubric given in code)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(rubric) if name is not None}
+    except ValueError as e:
+        raise ValueError(f"rollout.judge.rubric is not a template ({e}): write a literal brace as {{{{ or }}}}")
+    if "conversation" not in names or not names <= set(JUDGE_RUBRIC_FIELDS):
+        raise ValueError(f"rollout.judge.rubric names {sorted(names)}: it must name {{conversation}}, and only "
+                         f"fields of {list(JUDGE_RUBRIC_FIELDS)}")
+    return rubric
 
 
 def validate_judge(cfg: Config):
@@ -539,13 +553,7 @@ def validate_judge(cfg: Config):
     if jc.max_tokens < 1:
         raise ValueError(f"rollout.judge.max_tokens={jc.max_tokens} must be >= 1 (the judge's reply, in tokens)")
     if jc.rubric:
-        try:
-            names = {name for _, name, _, _ in string.Formatter().parse(jc.rubric) if name is not None}
-        except ValueError as e:
-            raise ValueError(f"rollout.judge.rubric is not a template ({e}): write a literal brace as {{{{ or }}}}")
-        if "conversation" not in names or not names <= set(JUDGE_RUBRIC_FIELDS):
-            raise ValueError(f"rollout.judge.rubric names {sorted(names)}: it must name {{conversation}}, and only "
-                             f"fields of {list(JUDGE_RUBRIC_FIELDS)}")
+        check_rubric(jc.rubric)
 
 
 def validate_ray(cfg: Config):

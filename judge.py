@@ -22,13 +22,13 @@ Turned on by rollout.judge.model_path (with rollout.judge_weight > 0): train.bui
 rollout.wing("judge.LLMJudge").from_config(cfg), and hands it to agent.LocalRollouts, whose finish_episodes calls it
 in place of the envs' own judges. Docs: docs/judge.md.
 
-Imports: agent.py (Judgment), chat.py, env.py (Task, mix_seed), model.py, rollout.py, runs.py (check_model_folder).
+Imports: agent.py (Judgment), chat.py, config.py (check_rubric), env.py (Task, mix_seed), model.py, rollout.py, runs.py
+(check_model_folder).
 """
 import hashlib
 import json
 import os
 import re
-import string
 from dataclasses import replace
 
 import torch
@@ -36,14 +36,12 @@ from tokenizers import Tokenizer
 
 from agent import Judgment
 from chat import encode, pad_token_id, render, tool_call_text, turn_ends
+from config import check_rubric   # the one rubric check, also run at load
 from env import Task, mix_seed
 from model import load_model
 from rollout import SamplingParams, make_engine
 from runs import check_model_folder
 
-RUBRIC_FIELDS = ("task", "conversation", "reference")   # what a rubric may name: {task} the user's request (the
-                                     # task's prompt), {conversation} the episode after the system prompt, as text,
-                                     # {reference} the task's ground-truth answer (for reference-guided grading)
 SCALE = 10                           # the rubric's scale: a bare "SCORE: 7" means 7 / SCALE
 FAILURE_SCORE = 0.0                  # the score of a reply that cannot be read (the lowest: see the docstring)
 CONTEXT = 32768                      # the judge's context when its folder's config.json does not say
@@ -101,19 +99,6 @@ def transcript(messages: list[dict]) -> str:
         parts = [str(m.get("content") or "").strip()] + [tool_call_text(c) for c in m.get("tool_calls") or []]
         blocks.append(f"{role.upper()}: " + "\n".join(p for p in parts if p))
     return "\n\n".join(blocks)
-
-
-def check_rubric(rubric: str) -> str:
-    """`rubric` if it is a str.format template that names {conversation} and only RUBRIC_FIELDS; else ValueError
-    naming rollout.judge.rubric."""
-    try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(rubric) if name is not None}
-    except ValueError as e:
-        raise ValueError(f"rollout.judge.rubric is not a valid template ({e}); write a literal brace as {{{{ or }}}}")
-    if "conversation" not in fields or not fields <= set(RUBRIC_FIELDS):
-        raise ValueError(f"rollout.judge.rubric names {sorted(fields)}: it must name {{conversation}} and only "
-                         f"fields of {list(RUBRIC_FIELDS)}")
-    return rubric
 
 
 class LLMJudge:
