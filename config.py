@@ -101,7 +101,12 @@ class RolloutConfig:
                                      # AsyncSchedule has the schedule); needs learner.off_policy (tis or mis)
     max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
     partial_rollouts: bool = False   # async_rollouts, torch engine in this process: pushes land mid-generation, at
-                                     # the next token boundary. Faster, not reproducible run to run (timing)
+                                     # the next token boundary. Faster; where each lands (timing) is recorded in the
+                                     # run folder's partial_swaps.jsonl (async_rollouts.SwapRecord)
+    partial_replay: str = ""         # partial_rollouts: land each push where this record says (a partial_swaps.jsonl,
+                                     # or the run folder holding one), not by the clock: the recorded run again, bit
+                                     # for bit (same config and seed). "": by the clock (a resumed run replays its
+                                     # own record up to where it was killed)
     external_agent: str = ""         # "path/to/agent.py:function": your own agent plays the episodes, against an
                                      # OpenAI-compatible server over the engine, run(task, base_url, session) -> reward
                                      # or final answer (external_agent.py, docs/external_agent.md). "": our agent loop
@@ -508,6 +513,10 @@ def validate_async(cfg: Config):
         raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
                          "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
                          "ray.rollout_workers=0)")
+    if cfg.rollout.partial_replay and not cfg.rollout.partial_rollouts:
+        raise ValueError(f"rollout.partial_replay={cfg.rollout.partial_replay!r} replays where the pushes of a run "
+                         "with partial rollouts landed: set rollout.partial_rollouts=true (without it no push lands "
+                         "mid-generation, and a run repeats exactly anyway)")
 
 
 # what a judge's rubric may name: {task} the user's request (the task's prompt), {conversation} the episode after the

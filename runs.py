@@ -167,8 +167,9 @@ def prune_checkpoints(folder: str, keep: int) -> None:
 
 
 def load_pending(path: str) -> dict | None:
-    """Async mode's queue saved with the checkpoint at `path`, {step: (trajectories, metrics, seconds, version)}, or
-    None."""
+    """What the async schedule saved with the checkpoint at `path` (async_rollouts.AsyncSchedule.pending): its queue,
+    {step: (trajectories, metrics, seconds, version)} (with partial rollouts a dict that also carries the swap
+    record so far, async_rollouts.SavedQueue), or None when nothing was saved."""
     if not os.path.exists(os.path.join(path, PENDING)):
         return None
     with open(os.path.join(path, PENDING), "rb") as f:

@@ -14,6 +14,14 @@ optimizer state, both step counters, the RNG states) and metrics.jsonl must equa
 byte (with LoRA: its adapter files and the merged model). Exit status 0 when they do. Overrides after the options go to every launch (e.g. async rollouts with a
 staleness bound, whose queued batches a checkpoint must carry). tests/test_kill_resume.py runs short versions in CI;
 the README reports a long one.
+
+Partial rollouts (rollout.partial_rollouts=true): where each push lands depends on timing, so two runs agree only
+when one replays the other's swap record (partial_swaps.jsonl, async_rollouts.SwapRecord), which is compared too.
+The control and every killed launch replay the reference's record (rollout.partial_replay=<its folder>): the
+killed run must end with the reference's bytes, its record rebuilt across the kills from its checkpoints. With
+--own-record the killed launches replay nothing but their own record (a resumed launch re-samples what the kill
+lost as it was, then goes by the clock); a last uninterrupted run replaying the killed run's final record must then
+end with the killed run's bytes (`identical` compares those two; `control_identical` the reference and its replay).
 """
 import argparse
 import glob
@@ -35,7 +43,8 @@ TINY = ["sft.num_demos=400", "sft.max_steps=40", "sft.eval_every=20", "sft.eval_
         "learner.micro_batch_size=8", "learner.lr=1e-3", "learner.mini_batches=2", "learner.entropy_coef=0.01",
         "wandb=false", "threads=1", "log_timings=false", "checkpoint_every=1", "eval_every=2"]
 COMPARED = ("final/trainer_state.pt", "metrics.jsonl")   # and every final/**/*.safetensors (weights; LoRA: adapters
-                                                          # and the merged model)
+                                                          # and the merged model), and the swap record if any
+RECORD = "partial_swaps.jsonl"                            # partial rollouts: where each push landed
 
 
 def command(out: str, run_name: str, steps: int, seed: int, resume: str = "", extra: tuple = ()) -> list[str]:
@@ -72,15 +81,17 @@ def wait_for(proc: subprocess.Popen, condition, deadline: float) -> bool:
     return False
 
 
-def torture(kills: int, steps: int, seed: int, out: str, extra: tuple = ()) -> dict:
+def torture(kills: int, steps: int, seed: int, out: str, extra: tuple = (), own_record: bool = False) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = open(os.path.join(out, "log.txt"), "w")
     ref_dir, run_dir = os.path.join(out, "uninterrupted"), os.path.join(out, "killed")
+    swaps = "rollout.partial_rollouts=true" in extra        # partial rollouts: a swap record to replay
+    base, extra = extra, (*extra, f"rollout.partial_replay={ref_dir}") if swaps else extra   # the others replay
     # the reference, which also builds the default model (not under kills: its build is atomic too, but it is not
     # what is tested here); then the control: a second uninterrupted run must give the same bytes (timed: the
     # model is cached by then), or byte-identity after kills would prove nothing
-    subprocess.run(command(out, "uninterrupted", steps, seed, extra=extra), cwd=ROOT, stdout=log,
+    subprocess.run(command(out, "uninterrupted", steps, seed, extra=base), cwd=ROOT, stdout=log,
                    stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": ROOT})
     t0, again = time.time(), os.path.join(out, "uninterrupted_again")
     proc = launch(command(out, "uninterrupted_again", steps, seed, extra=extra), log)
@@ -93,12 +104,13 @@ def torture(kills: int, steps: int, seed: int, out: str, extra: tuple = ()) -> d
     step_seconds = (run_seconds - startup) / steps
     rng = random.Random(seed)
     record = []
+    killed_extra = base if swaps and own_record else extra
     for k in range(kills):
         kind = ("checkpoint", "mid-step", "random")[k % 3]
         before = logged_steps(run_dir)             # records kept so far: step 0 is the first
         if before >= steps + 1:                    # the run is complete: nothing left to kill
             break
-        proc = launch(command(out, "killed", steps, seed, resume="auto", extra=extra), log)
+        proc = launch(command(out, "killed", steps, seed, resume="auto", extra=killed_extra), log)
         start = time.time()
         if kind == "random":                       # before the last step of what is left (it resumes where it was)
             left = max(steps - max(before - 1, 0) - 1, 0.5)
@@ -116,19 +128,26 @@ def torture(kills: int, steps: int, seed: int, out: str, extra: tuple = ()) -> d
         record.append({"kill": k, "kind": kind, "killed": True, "after_s": round(time.time() - start, 2),
                        "during_checkpoint_write": partial, "logged_steps": logged_steps(run_dir)})
         print(json.dumps(record[-1]), flush=True)
-    subprocess.run(command(out, "killed", steps, seed, resume="auto", extra=extra), cwd=ROOT, stdout=log,
+    subprocess.run(command(out, "killed", steps, seed, resume="auto", extra=killed_extra), cwd=ROOT, stdout=log,
                    stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    identical_to = ref_dir
+    if swaps and own_record:                    # the killed run's own record, replayed, must give its bytes
+        identical_to = os.path.join(out, "replayed")
+        subprocess.run(command(out, "replayed", steps, seed, extra=(*base, f"rollout.partial_replay={run_dir}")),
+                       cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})
     killed = [r for r in record if r["killed"]]
     return {"kills": len(killed), "during_checkpoint_write": sum(r["during_checkpoint_write"] for r in killed),
             "by_kind": {kind: sum(r["kind"] == kind for r in killed) for kind in ("random", "checkpoint", "mid-step")},
-            "identical": same_files(ref_dir, run_dir), "control_identical": control, "launches": len(record) + 1,
+            "identical": same_files(identical_to, run_dir), "control_identical": control, "launches": len(record) + 1,
             "uninterrupted_seconds": round(run_seconds, 1), "startup_seconds": round(startup, 1), "steps": steps}
 
 
 def compared(run_dir: str) -> list[str]:
     """The files compared, relative to a run folder: COMPARED and the final checkpoint's weights."""
     weights = glob.glob(os.path.join(run_dir, "final", "**", "*.safetensors"), recursive=True)
-    return sorted({*COMPARED, *(os.path.relpath(w, run_dir) for w in weights)})
+    record = [RECORD] if os.path.exists(os.path.join(run_dir, RECORD)) else []
+    return sorted({*COMPARED, *record, *(os.path.relpath(w, run_dir) for w in weights)})
 
 
 def same_files(a_dir: str, b_dir: str) -> dict[str, bool]:
@@ -149,9 +168,12 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/kill_resume")
+    p.add_argument("--own-record", action="store_true", help="partial rollouts: the killed launches replay only "
+                   "their own record, and a replay of its final record must give the killed run's bytes")
     p.add_argument("overrides", nargs="*", help="config overrides for every launch, e.g. rollout.async_rollouts=true")
     args = p.parse_args()
-    result = torture(args.kills, args.steps, args.seed, os.path.abspath(args.out), tuple(args.overrides))
+    result = torture(args.kills, args.steps, args.seed, os.path.abspath(args.out), tuple(args.overrides),
+                     args.own_record)
     print(json.dumps(result, indent=2))
     sys.exit(0 if all(result["identical"].values()) and all(result["control_identical"].values()) else 1)
 

@@ -88,3 +88,105 @@ def test_partial_rollout_push_lands_at_the_next_token_boundary(push_at, prefix_c
             assert (torch.tensor(g.logprobs)[push_at:] - by_old[push_at:]).abs().max() > 1e-2
     again = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10, seed=3))
     assert all(g.versions == [7] * 10 for g in again)     # no push pending: the next call is all version 7
+
+
+@pytest.mark.parametrize("arrives", ["early", "late"])
+def test_partial_rollout_swaps_are_recorded_and_replayed_whenever_the_push_arrives(tmp_path, arrives):
+    """Record: batch 5's first call takes a push at token step 4 (from inside the generation, as a push lands by the
+    clock), its second starts from the new weights; both are entries of the run's partial_swaps.jsonl. Replay the
+    record on a fresh engine with the push arriving early (before the calls: it is held, and lands at token step 4
+    all the same; meanwhile a call of another thread, the loop's eval or gate, runs the pushed weights and gives
+    them back) or late (the calls wait for it before they start): the ids, log-probs and versions are those of the
+    recorded run, bit for bit, and the replay's own record is the same. A replayed call that waits for a version
+    nobody will push is stopped by check_not_stuck (what the loop calls while it waits for a batch)."""
+    import copy
+    import os
+    import threading
+    from async_rollouts import RECORD, SwapRecord, read_record
+    old, new = tiny_model(0), tiny_model(1)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3)
+
+    def engine_with(record_dir, plan=None):
+        engine = make_engine("torch", "", pad_id=PAD, model=copy.deepcopy(old), concurrent=True)
+        os.makedirs(record_dir)
+        engine.number_from(0, SwapRecord.open(str(record_dir), []), plan)
+        return engine
+
+    recording = engine_with(tmp_path / "recorded")
+    calls = []
+
+    def push(module, args, out):                          # the lm_head runs once per decode step
+        calls.append(1)
+        if len(calls) == 4:
+            recording.update_weights(new.state_dict(), version=1)
+    handle = recording.model.lm_head.register_forward_hook(push)
+    with recording.batch(5):
+        recorded = recording.generate(PROMPTS, params) + recording.generate(PROMPTS, params)
+    handle.remove()
+    entries = [{"step": 5, "call": 0, "start": 0, "swaps": [[4, 1]], "token_steps": 10},
+               {"step": 5, "call": 1, "start": 1, "swaps": [], "token_steps": 10}]
+    assert recording.record.entries == entries == read_record(str(tmp_path / "recorded"))
+    rows = len(PROMPTS) * params.n
+    assert [g.versions for g in recorded] == [[0] * 4 + [1] * 6] * rows + [[1] * 10] * rows
+
+    plan = {(e["step"], e["call"]): e for e in read_record(str(tmp_path / "recorded"))}
+    engine = engine_with(tmp_path / arrives, plan)
+    out = {}
+
+    def sample():
+        with engine.batch(5):
+            out["gens"] = engine.generate(PROMPTS, params) + engine.generate(PROMPTS, params)
+    producer = threading.Thread(target=sample)
+    if arrives == "early":
+        engine.update_weights(new.state_dict(), version=1)     # held, not applied
+        assert engine.version == 0
+        gate = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=3, seed=1))   # the loop's call
+        assert all(g.versions == [1] * 3 for g in gate)         # ran the pushed weights ...
+        assert engine.version == 0 and all(torch.equal(p, q) for p, q in zip(engine.model.parameters(),
+                                                                            old.parameters()))  # ... gave them back
+        producer.start()
+    else:
+        producer.start()
+        producer.join(timeout=0.5)
+        assert producer.is_alive() and engine.version == 0 and engine.prompt_tokens == 0   # waits, not started
+        engine.update_weights(new.state_dict(), version=1)
+    producer.join(timeout=60)
+    for a, b in zip(recorded, out["gens"], strict=True):
+        assert (a.token_ids, a.logprobs, a.versions) == (b.token_ids, b.logprobs, b.versions)
+    assert engine.record.entries == entries and not engine.plan
+    with open(tmp_path / "recorded" / RECORD) as a, open(tmp_path / arrives / RECORD) as b:
+        assert a.read() == b.read()
+
+    stuck = engine_with(tmp_path / f"stuck_{arrives}", plan)
+    failed = []
+
+    def waits_forever():
+        with stuck.batch(5):
+            try:
+                stuck.generate(PROMPTS, params)
+            except RuntimeError as e:
+                failed.append(str(e))
+    waiter = threading.Thread(target=waits_forever)
+    waiter.start()
+    while stuck._waiting is None:
+        waiter.join(timeout=0.01)
+    with pytest.raises(RuntimeError, match="waits for the weights after update 1"):
+        stuck.check_not_stuck()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and "stopped by the loop" in failed[0]
+
+
+def test_replaying_another_runs_record_is_an_error_naming_the_call(tmp_path):
+    """A record that does not fit the run (here: the call runs 6 token steps, the record says 10 with a swap at 8)
+    stops it with an error naming the call, and so does a call the record lacks while it still has calls to replay."""
+    import copy
+    from async_rollouts import SwapRecord
+    old, new = tiny_model(0), tiny_model(1)
+    engine = make_engine("torch", "", pad_id=PAD, model=copy.deepcopy(old), concurrent=True)
+    entry = {"step": 3, "call": 0, "start": 0, "swaps": [[8, 1]], "token_steps": 10}
+    engine.number_from(0, SwapRecord.open(str(tmp_path), []), {(3, 0): entry, (4, 0): {**entry, "step": 4}})
+    engine.update_weights(new.state_dict(), version=1)
+    with engine.batch(3), pytest.raises(RuntimeError, match="call 0 of batch 3 ran 6 token steps with swaps"):
+        engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=6, seed=0))
+    with engine.batch(5), pytest.raises(RuntimeError, match=r"no call 0 of batch 5 but still has \(4, 0\)"):
+        engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=6, seed=0))

@@ -2,8 +2,10 @@
 times (at a random moment, during a checkpoint write, in the middle of a step), relaunched with resume=auto each time,
 and must end with the uninterrupted run's bytes: final weights, optimizer state, metrics.jsonl; synchronous, with
 async rollouts two updates ahead (rollout.max_staleness=2: the checkpoints carry the queued batches), with LoRA
-(adapter files and merged model) and with two Ray rollout workers. The README
-reports the long version (20 kills)."""
+(adapter files and merged model), with two Ray rollout workers, and with partial rollouts: where each push lands is
+timing, so the killed run replays the uninterrupted run's swap record (and must end with the same record too), or
+(own record) replays only its own record across its kills, and a replay of its final record must give its bytes.
+The README reports the long version (20 kills)."""
 import json
 import os
 import subprocess
@@ -21,6 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"sync": [], "async_k2": ["rollout.async_rollouts=true", "learner.off_policy.kind=tis",
                                   "rollout.max_staleness=2"],
          "lora": ["learner.lora_rank=4"], "ray_workers": ["ray.rollout_workers=2"]}
+# partial rollouts: every batch updates (the tiny model earns no reward, so without this every update would be
+# skipped and every version would hold the same weights: where a push lands would change nothing)
+PARTIAL = [*CASES["async_k2"], "rollout.partial_rollouts=true", "algo.skip_uniform_batches=false"]
+CASES.update({"partial_replay": PARTIAL, "partial_own_record": ["--own-record", *PARTIAL]})
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -32,4 +38,5 @@ def test_killed_and_resumed_run_ends_byte_identical(tmp_path, case):
     result = json.loads(out.stdout[out.stdout.index("{\n"):])
     assert all(result["control_identical"].values())          # two uninterrupted runs agree: the test can fail
     assert all(result["identical"].values()), result
+    assert ("partial_swaps.jsonl" in result["identical"]) == ("rollout.partial_rollouts=true" in CASES[case])
     assert result["kills"] >= 2 and result["during_checkpoint_write"] >= 1, result

@@ -157,6 +157,9 @@ KNOBS: dict[str, Knob] = {
     "rollout.max_staleness": Knob("2", (*ASYNC, *TIS, "steps=3")),
     "rollout.partial_rollouts": Knob("true", expect=REFUSED, why="refused without async rollouts; with them its "
                                      "effect depends on timing (tests/test_async_rollouts.py)"),
+    "rollout.partial_replay": Knob("<run>/partial_swaps.jsonl", expect=REFUSED, why="refused without partial "
+                                   "rollouts; with them it replays a record bit for bit (tests/test_async_rollouts.py, "
+                                   "tests/test_kill_resume.py)"),
     "rollout.external_agent": Knob("examples/calc_agent.py:run", why="the example agent plays the episodes through "
                                    "serve.Server, each call seeded by its session: other samples (needs openai; "
                                    "tests/test_external_agent.py)"),
