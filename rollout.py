@@ -14,7 +14,8 @@ TorchEngine, here, is the reference: a pure-PyTorch batched sampler with a KV ca
 for tiny models, the one the others are tested against. Other engines and optional pieces of this one are wings,
 files of their own that make_engine imports by name only when a run asks for them (as env.py imports the worlds):
   engine_vllm.py     VLLMEngine, a colocated vLLM (rollout.engine=vllm)
-  engine_openai.py   OpenAIEngine, a client of an OpenAI-compatible server; evaluation only (rollout.engine=openai)
+  engine_openai.py   OpenAIEngine, a client of an OpenAI-compatible server (rollout.engine=openai): trains through
+                     serve.py or a `vllm serve` that reloads pushed weights, evaluates any
   prefix_cache.py    keys and values kept across calls, so a turn prefills only its new tokens (prefix_cache_tokens)
   async_rollouts.py  a TorchEngine that generates in a background thread and takes pushes mid-generation
                      (rollout.async_rollouts, rollout.partial_rollouts)

@@ -494,7 +494,10 @@ class Server:
                             "logprobs": None if logprobs is None else {
                                 "tokens": [t["token"] for t in self.token_logprobs(g, as_ids)],
                                 "token_logprobs": list(g.logprobs), "top_logprobs": None, "text_offset": None},
-                            **({"token_ids": list(g.token_ids)} if body.get("return_token_ids") else {})})
+                            **({"token_ids": list(g.token_ids)} if body.get("return_token_ids") else {}),
+                            # ours (vLLM has no such field): the top-k / top-p set sizes, so that a trainer's
+                            # OpenAIEngine scores the very sets sampled (empty: nothing was truncated)
+                            **({"kept_sizes": list(g.kept_sizes)} if g.kept_sizes else {})})
             samples.append(Sample(list(g.token_ids), list(g.logprobs), list(g.kept_sizes), list(g.versions),
                                   g.finish_reason))
         n = params.n

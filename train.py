@@ -321,9 +321,6 @@ def build_schedule(cfg: Config, rollouts, envs: dict, start: int, resume: str):
 def main(cfg: Config) -> dict:
     # --- setup
     t_start = time.time()
-    if cfg.rollout.engine == "openai":
-        raise ValueError(f"rollout.engine={cfg.rollout.engine!r} cannot train: its weights cannot be pushed "
-                         "(evaluate with it: eval.py --checkpoint DIR rollout.engine=openai)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     _, world = init_distributed()                 # (0, 1) for `python train.py`; torchrun sets the rest

@@ -122,12 +122,18 @@ KNOBS: dict[str, Knob] = {
     "envs.0.eval_size": Knob("3"),
     "envs.0.kwargs": Knob("{max_operand: 10}"),
     # --- rollout
-    "rollout.engine": Knob("openai", expect=REFUSED, why="train.py refuses openai; vllm trains, but is slow to "
-                           "start: tests/test_vllm_engine.py runs train.main with it"),
-    "rollout.base_url": Knob("http://elsewhere:8000/v1", (), INERT, "the openai engine's alone, which cannot train "
-                             "(train.py refuses it); tests/test_openai_engine.py runs it"),
-    "rollout.served_model": Knob("other", (), INERT, "the openai engine's alone, which cannot train (train.py refuses "
-                                 "it); tests/test_openai_engine.py runs it"),
+    "rollout.engine": Knob("openai", ("rollout.base_url=http://127.0.0.1:9/v1",), stops=True,
+                           why="no server in this walk: the run stops at its first request; tests/"
+                           "test_openai_training.py trains through serve.py and `vllm serve`, and tests/"
+                           "test_vllm_engine.py runs vllm (slow to start)"),
+    "rollout.base_url": Knob("http://elsewhere:8000/v1", (), INERT, "the openai engine's alone, and this walk runs "
+                             "the torch engine; tests/test_openai_training.py trains through a server"),
+    "rollout.served_model": Knob("other", (), INERT, "the openai engine's alone, and this walk runs the torch engine; "
+                                 "tests/test_openai_training.py trains through a server"),
+    "rollout.api_key_env": Knob("NANO_SKYRL_SERVE_TOKEN", expect=REFUSED, why="the openai engine's alone (refused "
+                                "with torch); tests/test_openai_training.py pushes with it"),
+    "rollout.weights_dir": Knob("<run>/pushed", expect=REFUSED, why="the openai engine's alone (refused with torch); "
+                                "tests/test_openai_training.py trains through `vllm serve` with it"),
     "rollout.prompts_per_step": Knob("3"),
     "rollout.temperature": Knob("0.7"),
     "rollout.top_p": Knob("0.9"),

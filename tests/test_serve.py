@@ -153,13 +153,17 @@ def test_openai_engine_against_the_server_equals_the_engine(served, model):
     prompts = [[5, 9, 3, 7, 11, 2, 8], [4], [13, 6, 6, 1]]
     engine = TorchEngine(model, 0)
     for params in [SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=3, stop_token_ids=(17,)),
-                   SamplingParams(n=1, temperature=0.0, max_tokens=9)]:
+                   SamplingParams(n=1, temperature=0.0, max_tokens=9),
+                   SamplingParams(n=2, temperature=0.8, top_k=7, top_p=0.9, max_tokens=9, seed=5)]:
         remote = client.generate(prompts, params)
         direct = [g for p, s in zip(prompts, row_seeds(params.seed, len(prompts)))
                   for g in engine.generate([p], replace(params, seed=s))]
         assert [g.token_ids for g in remote] == [g.token_ids for g in direct]
         assert [g.logprobs for g in remote] == [g.logprobs for g in direct]
         assert [g.finish_reason for g in remote] == [g.finish_reason for g in direct]
+        # the kept-set sizes travel in the reply's `kept_sizes` (ours; vLLM has none): the learner gets the engine's
+        assert [g.kept_sizes for g in remote] == [g.kept_sizes for g in direct]
+    assert all(0 < k <= 7 for g in remote for k in g.kept_sizes) and remote[0].kept_sizes
 
 
 def test_a_client_session_is_the_agent_loops_trajectory(tok):
