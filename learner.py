@@ -32,6 +32,7 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 import algos
 from distributed import FULL_STATE, all_reduce_, full_state_dict, get_rank, get_world_size, is_main, is_sharded
-from model import Transformer, save_model
+from model import SharedPrefix, Transformer, save_model
 
 
 # -----------------------------------------------------------------------------
@@ -54,10 +55,16 @@ class LearnerConfig:
     weight_decay: float = 0.0             # AdamW decoupled weight decay
     betas: tuple = (0.9, 0.999)           # AdamW betas
     grad_clip: float = 1.0                # clip the global grad norm to this (<= 0: no clipping)
-    micro_batch_size: int = 32            # sequences per forward/backward; does not change the result
-    max_tokens_per_micro_batch: int = 0   # > 0: micro-batches are packed by length instead, as many rows (sorted by
-                                          # length) as fit rows x longest row <= this (one row at least); ignores
-                                          # micro_batch_size; does not change the result either. 0: fixed rows
+    micro_batch_size: int = 32            # sequences per forward/backward at most; does not change the result
+    max_tokens_per_micro_batch: int = 4096  # and token positions run per forward/backward at most (rows x longest,
+                                          # or with shared prefixes prefixes + continuations; one row at least):
+                                          # rows sorted by length, short ones many to a micro-batch, long ones few.
+                                          # Bounds activation memory, and is faster than big micro-batches on a CPU
+                                          # (pages mapped and freed each step). Does not change the result. 0: rows only
+    shared_prefix: bool = True            # rows that share their first tokens (a group's prompt; in multi-turn every
+                                          # token before the first sampled one, and more where samples agree) run
+                                          # them once per micro-batch, each row attending to them (shared_prefixes);
+                                          # same losses and gradients up to float rounding. False: every row whole
     mini_batches: int = 1                 # optimizer steps per RL batch (PPO mini-batches)
     ppo_epochs: int = 1                   # passes over the RL batch
     temperature: float = 1.0              # log-probs are of softmax(logits / temperature), as sampled
@@ -176,7 +183,7 @@ def _kept_size_score(z: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tens
 
 def infer_kept_sizes(model: Transformer, input_ids: torch.Tensor, kept_sizes: torch.Tensor, logprobs: torch.Tensor,
                      micro_batch_size: int, temperature: float = 1.0, chunk_size: int = 256,
-                     max_tokens: int = 0) -> torch.Tensor:
+                     max_tokens: int = 0, shared_prefix: bool = False) -> torch.Tensor:
     """kept_sizes (B, T) with every -1 (a truncated token whose set the engine did not report: vLLM) replaced by the
     size that reproduces the engine's log-prob of it on this model's logits (algos.kept_size_from_logprob). One
     extra scoring pass over those tokens. The model must hold the weights that sampled (synchronous rollouts):
@@ -185,18 +192,21 @@ def infer_kept_sizes(model: Transformer, input_ids: torch.Tensor, kept_sizes: to
     if not bool(todo.any()):
         return kept_sizes
     found = compute_logprobs(model, input_ids, micro_batch_size, temperature, chunk_size, todo.float(), max_tokens,
-                             score=_kept_size_score, score_args=logprobs)        # (B, T) sizes, 0 elsewhere
+                             score=_kept_size_score, score_args=logprobs,
+                             shared_prefix=shared_prefix)                         # (B, T) sizes, 0 elsewhere
     return torch.where(todo, found.round().long(), kept_sizes)
 
 
 @torch.no_grad()
 def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_size: int,
                      temperature: float = 1.0, chunk_size: int = 256, mask: torch.Tensor | None = None,
-                     max_tokens: int = 0, score=None, score_args: torch.Tensor | None = None) -> torch.Tensor:
+                     max_tokens: int = 0, score=None, score_args: torch.Tensor | None = None,
+                     shared_prefix: bool = False) -> torch.Tensor:
     """Per-token log-probs of a whole batch, micro-batch by micro-batch, without gradients. -> (B, T)
     With `mask`, rows are grouped by length and only the masked tokens are scored (0 elsewhere). max_tokens > 0
     packs micro-batches by a token budget (LearnerConfig.max_tokens_per_micro_batch). score, score_args (B, T):
     model.token_logprobs' (truncated_score with the batch's kept sizes: a top-k / top-p sample's log-probs).
+    shared_prefix (needs mask): rows that share their first tokens run them once (LearnerConfig.shared_prefix).
     Under torchrun each rank scores its share of the rows and a sum over ranks fills in the rest (the
     other ranks' rows are exact zeros here), so every rank returns the same full (B, T) tensor."""
     was_training = model.training
@@ -204,12 +214,13 @@ def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_si
     dev = _device(model)
     out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
     lens = _row_lens(mask) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
-    for idx, dummy in _rank_micro_batches(lens, micro_batch_size, max_tokens):
+    share = (input_ids, mask) if shared_prefix and mask is not None else None
+    for idx, dummy, shared in _rank_micro_batches(lens, micro_batch_size, max_tokens, share):
         L = int(lens[idx].max())
         m = mask[idx, :L].to(dev) if mask is not None else None                  # score only the masked tokens
         args = score_args[idx, :L].to(dev) if score_args is not None else None
         logp = model.token_logprobs(input_ids[idx, :L].to(dev), temperature=temperature, chunk_size=chunk_size,
-                                    mask=m, score=score, score_args=args)
+                                    mask=m, score=score, score_args=args, shared=shared)
         if not dummy:
             out[idx, :L] = logp.float().cpu()                                    # (m, L)
     model.train(was_training)
@@ -225,34 +236,106 @@ def _row_lens(mask: torch.Tensor) -> torch.Tensor:
     return (mask.bool() * pos).max(dim=1).values.clamp(min=min(2, mask.shape[1]))  # (B,)
 
 
-def _rank_micro_batches(lens: torch.Tensor, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, bool]]:
-    """This rank's micro-batches: [(row indices, dummy)], rows of similar length together (sorted), so a long
-    row pads few short ones. The update does not depend on how rows are split (file docstring, point 3),
-    so the grouping is free. Rank r takes every world-th row of the sorted order (each rank gets a similar
-    token count). `size` rows each, or with max_tokens > 0 as many rows as fit rows x longest <= max_tokens
-    (one at least): short rows go many to a micro-batch, long ones few. A rank left with fewer micro-batches
-    than the others gets `dummy` ones (the shortest row, weight 0): under FSDP each forward/backward is a
-    collective that every rank must join."""
-    order = torch.argsort(lens, stable=True)
-    mine = order[get_rank()::get_world_size()]
-    if max_tokens > 0:
-        plan, start = [], 0
-        for i in range(1, len(mine) + 1):          # rows ascend in length: row i-1 is the longest so far
-            if i == len(mine) or (i + 1 - start) * int(lens[mine[i]]) > max_tokens:
-                plan.append((mine[start:i], False))
-                start = i
-    else:
-        plan = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
+def _units(lens: torch.Tensor, share: tuple | None) -> list[tuple[torch.Tensor, int]]:
+    """The rows that go to a micro-batch together, each unit with the length of the prefix its rows share:
+    [(row indices, shared length)]. Without `share`, every row alone (shared length 0). With share = (input_ids,
+    mask), the rows whose tokens before their first trained one are the same (a group's prompt: found from the ids,
+    not assumed) form one unit, sharing their longest common prefix; a row with no partner stays alone."""
+    if share is None:
+        return [(torch.tensor([i]), 0) for i in range(len(lens))]
+    ids, mask = share
+    first = mask.bool().int().argmax(dim=1)                                     # (B,) first trained token
+    keys: dict[bytes, list[int]] = {}
+    for i in range(len(lens)):
+        keys.setdefault(ids[i, :int(first[i])].numpy().tobytes(), []).append(i)
+    units = []
+    for rows in keys.values():
+        rows = torch.tensor(rows)
+        if len(rows) == 1:
+            units.append((rows, 0))
+            continue
+        need = int(lens[rows].max()) - 1                                        # hidden states the rows read
+        differs = (ids[rows, :need] != ids[rows[:1], :need]).any(dim=0)        # (need,)
+        units.append((rows, int(differs.int().argmax()) if bool(differs.any()) else need))
+    return units
+
+
+def _layout(units: list[tuple[torch.Tensor, int]], lens: torch.Tensor,
+            always: bool = False) -> tuple[torch.Tensor, SharedPrefix | None]:
+    """A micro-batch of units -> (its rows, in order; the model's SharedPrefix over them, or None when no unit
+    shares anything: the plain forward). A row alone in a shared micro-batch is run as a prefix of its own.
+    always: a SharedPrefix with both forwards (prefixes, continuations) whatever the rows share, so that under
+    FSDP every rank's micro-batches make the same sequence of collectives."""
+    rows = torch.cat([r for r, _ in units])                                     # (m,)
+    if all(p == 0 for _, p in units) and not always:
+        return rows, None
+    lead, plens, group, start = [], [], [], 0
+    for g, (r, p) in enumerate(units):
+        lead.append(start)
+        plens.append(p if p > 0 else int(lens[r[0]]) - 1)
+        group += [g] * len(r)
+        start += len(r)
+    plens, group = torch.tensor(plens), torch.tensor(group)
+    cont = int((lens[rows] - 1 - plens[group]).max().clamp(min=int(always)))  # positions past its prefix a row needs
+    return rows, SharedPrefix(torch.tensor(lead), plens, group, cont)
+
+
+def _cost(units: list[tuple[torch.Tensor, int]], lens: torch.Tensor) -> int:
+    """Token positions a micro-batch of these units runs: rows x longest row, or with shared prefixes the prefixes
+    (units x longest) plus the continuations (rows x longest)."""
+    rows = torch.cat([r for r, _ in units])
+    if all(p == 0 for _, p in units):
+        return len(rows) * int(lens[rows].max())
+    shared = [p if p > 0 else int(lens[r[0]]) for r, p in units]
+    cont = max(int(lens[r].max()) - s for (r, _), s in zip(units, shared))
+    return len(units) * max(shared) + len(rows) * max(cont, 0)
+
+
+class MicroBatch(NamedTuple):
+    rows: torch.Tensor               # (m,) long, rows of the (mini-)batch
+    dummy: bool                      # only there to join the collectives: weight 0
+    shared: SharedPrefix | None      # the rows' shared prefixes, indexing into rows (None: every row whole)
+
+
+def _rank_micro_batches(lens: torch.Tensor, size: int, max_tokens: int = 0,
+                        share: tuple | None = None) -> list[MicroBatch]:
+    """This rank's micro-batches, units of rows of similar length together (sorted), so a long row pads few short
+    ones. The update does not depend on how rows are split (file docstring, point 3), so the grouping is free.
+    Rank r takes every world-th unit of the sorted order (each rank gets a similar token count). As many units as
+    fit `size` rows and, with max_tokens > 0, a computed token count (_cost) <= max_tokens (one unit at least):
+    short rows go many to a micro-batch, long ones few. share = (input_ids, mask): rows that share a prompt go
+    together and run it once (_units; a group larger than `size` is split). A rank left with fewer
+    micro-batches than the others gets `dummy` ones (the shortest row, weight 0): under FSDP each forward/backward
+    is a collective that every rank must join."""
+    units = []
+    for rows, p in _units(lens, share):
+        units += [(rows[i:i + size], p) for i in range(0, len(rows), size)]
+    key = torch.tensor([int(lens[r].max()) for r, _ in units])
+    order = torch.argsort(key, stable=True)
+    mine = [units[i] for i in order[get_rank()::get_world_size()].tolist()]
+    plan, current = [], []
+    for u in mine:
+        fits = (sum(len(r) for r, _ in current) + len(u[0]) <= size
+                and (max_tokens == 0 or _cost(current + [u], lens) <= max_tokens))
+        if current and not fits:
+            plan.append(current)
+            current = []
+        current.append(u)
+    if current:
+        plan.append(current)
+    both = share is not None and get_world_size() > 1      # FSDP: the same forwards on every rank
+    plan = [MicroBatch(rows, False, shared) for rows, shared in (_layout(us, lens, both) for us in plan)]
     if get_world_size() > 1:
         n = all_reduce_(torch.tensor([len(plan)]), dist.ReduceOp.MAX).item()
-        plan += [(order[:1], True)] * (n - len(plan))
+        shortest = torch.argsort(lens, stable=True)[:1]
+        plan += [MicroBatch(shortest, True, _layout([(shortest, 0)], lens, both)[1])] * (n - len(plan))
     return plan
 
 
 def _share(mask_mb: torch.Tensor, mask_all: torch.Tensor, agg_mode: str) -> float:
     """This micro-batch's share of the mini-batch's loss normaliser (see the file docstring, point 3)."""
-    if agg_mode == "token-mean":
-        return float(mask_mb.sum() / mask_all.sum().clamp(min=1))
+    if agg_mode == "token-mean":                  # in fp64: the shares of a split sum to 1 to fp64 rounding
+        return float(mask_mb.double().sum() / mask_all.double().sum().clamp(min=1))
     return mask_mb.shape[0] / mask_all.shape[0]   # the seq-mean-* modes divide by the number of sequences
 
 
@@ -274,25 +357,38 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig, opt_step: int) -> d
     return {"grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(skipped)}
 
 
-def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss, opt_step: int) -> dict:
-    """Run `micro_loss(idx, L) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
-    tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length), backprop each,
-    then take optimizer step number `opt_step`. Metrics come back weighted the same way as the loss, summed over
-    ranks, plus `tokens_used` and `tokens_computed` (row lengths up to the last trained token, and micro-batch
-    rows x L: their ratio is the padding's share). The model and the optimizer are updated in place (they are
-    torch objects); the caller returns the state with its step counter advanced."""
+def _positions(lens: torch.Tensor, shared: SharedPrefix | None) -> tuple[int, int]:
+    """(positions a micro-batch's rows need, positions it runs): row lengths up to the last trained token and
+    rows x the longest; with shared prefixes each prefix once plus the continuations (padding included in the
+    second). Their ratio is the work's padding share (perf/pad_fraction)."""
+    if shared is None:
+        return int(lens.sum()), len(lens) * int(lens.max())
+    cont = (lens - 1 - shared.lens[shared.group]).clamp(min=0)                 # (m,)
+    return int(shared.lens.sum() + cont.sum()), len(shared.lens) * int(shared.lens.max()) + len(lens) * shared.cont
+
+
+def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss, opt_step: int,
+                input_ids: torch.Tensor | None = None) -> dict:
+    """Run `micro_loss(idx, L, shared) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
+    tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length; shared: its
+    SharedPrefix or None), backprop each, then take optimizer step number `opt_step`. input_ids (the rows' tokens)
+    with cfg.shared_prefix: rows that share a prompt run it once. Metrics come back weighted the same way as the
+    loss, summed over ranks, plus `tokens_used` and `tokens_computed` (_positions). The model and the optimizer are
+    updated in place (they are torch objects); the caller returns the state with its step counter advanced."""
     state.model.train()
     metrics: dict[str, float] = {}
     lens = _row_lens(mask)
-    plan = _rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    share = (input_ids, mask) if cfg.shared_prefix and input_ids is not None else None
+    plan = _rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, share)
     used = computed = 0
-    for i, (idx, dummy) in enumerate(plan):
+    for i, (idx, dummy, shared) in enumerate(plan):
         if is_sharded(state.model):               # reduce-scatter gradients once, after the last micro-batch
             state.model.set_requires_gradient_sync(i == len(plan) - 1)
         L = int(lens[idx].max())
         if not dummy:
-            used, computed = used + int(lens[idx].sum()), computed + len(idx) * L
-        loss, m = micro_loss(idx, L)
+            u, c = _positions(lens[idx], shared)
+            used, computed = used + u, computed + c
+        loss, m = micro_loss(idx, L, shared)
         if dummy:                                 # only here to join the collectives: contributes exactly 0
             loss, m = loss * 0.0, {k: 0.0 for k in m}
         if loss.requires_grad:                    # a micro-batch with no trained token contributes nothing
@@ -311,11 +407,13 @@ def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, mic
 # -----------------------------------------------------------------------------
 # the RL update
 
-def _run_schedule(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss_of) -> tuple:
+def _run_schedule(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss_of,
+                  input_ids: torch.Tensor | None = None) -> tuple:
     """The update's schedule, train_step's and critic_step's: ppo_epochs passes over the batch, each split into
     mini_batches optimizer steps (rows shuffled with state.rng when mini_batches > 1). micro_loss_of(rows, mb_mask)
-    gives the micro_loss(idx, L) of a mini-batch (idx indexes its rows). mask (B, T) -> (the next optimizer step,
-    the metrics summed over the optimizer steps, their number)."""
+    gives the micro_loss(idx, L, shared) of a mini-batch (idx indexes its rows). mask (B, T) -> (the next optimizer
+    step, the metrics summed over the optimizer steps, their number). input_ids (B, T): the tokens, for shared
+    prefixes (train_step's; the critic runs every row whole)."""
     B = mask.shape[0]
     sums: dict[str, float] = {}
     n_updates, opt_step = 0, state.optimizer_step
@@ -323,7 +421,8 @@ def _run_schedule(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, m
         order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
         for rows in order.chunk(cfg.mini_batches):
             mb_mask = mask[rows]                                              # (b, T)
-            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss_of(rows, mb_mask), opt_step)
+            step_metrics = _accumulate(state, cfg, mb_mask, micro_loss_of(rows, mb_mask), opt_step,
+                                       None if input_ids is None else input_ids[rows])
             opt_step += 1
             n_updates += 1
             for k, v in step_metrics.items():
@@ -363,7 +462,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
         raise ValueError("learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)")
 
     def micro_loss_of(rows: torch.Tensor, mb_mask: torch.Tensor):
-        def micro_loss(idx, L):
+        def micro_loss(idx, L, shared):
             r = rows[idx]
             ids, row_mask = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)  # (m, L) past L: padding
             # only the trained tokens are scored; the entropy has autograd only when it is in the loss; a top-k /
@@ -371,7 +470,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
             trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes[r, :L].to(dev))
             logp, ent = model.token_logprobs(ids, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
                                              return_entropy=True, mask=row_mask, entropy_grad=cfg.entropy_coef > 0,
-                                             **trunc)
+                                             shared=shared, **trunc)
             # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
             old_mb = logp.detach() if old is None else old[r, :L].to(dev)   # (m, L)
             loss, metrics = algos.policy_loss(cfg.policy_loss, logp, old_mb,
@@ -390,7 +489,7 @@ def train_step(state: LearnerState, batch: TrainBatch, cfg: LearnerConfig) -> tu
             return loss * w, {k: float(v) * w for k, v in metrics.items()}
         return micro_loss
 
-    opt_step, sums, n_updates = _run_schedule(state, cfg, mask, micro_loss_of)
+    opt_step, sums, n_updates = _run_schedule(state, cfg, mask, micro_loss_of, batch.input_ids)
     used, computed = sums.pop("tokens_used"), sums.pop("tokens_computed")
     metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}          # mean over optimizer steps
     metrics["perf/pad_fraction"] = 1.0 - used / max(computed, 1)             # the update's work spent on padding
@@ -436,7 +535,7 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, micro_batch_size: in
     """(B, T) values of every position, without gradients (rows split across ranks like compute_logprobs)."""
     out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
     dev = _device(critic)
-    for idx, dummy in _rank_micro_batches(torch.full((input_ids.shape[0],), input_ids.shape[1]), micro_batch_size):
+    for idx, dummy, _ in _rank_micro_batches(torch.full((input_ids.shape[0],), input_ids.shape[1]), micro_batch_size):
         v = critic(input_ids[idx].to(dev)).float().cpu()                         # (m, T)
         if not dummy:
             out[idx] = v
@@ -452,7 +551,7 @@ def critic_step(state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, valu
     dev = _device(state.model)
 
     def micro_loss_of(rows: torch.Tensor, mb_mask: torch.Tensor):
-        def micro_loss(idx, L):
+        def micro_loss(idx, L, _):                # every row whole (no input_ids given: no shared prefixes)
             r = rows[idx]
             v = state.model(batch.input_ids[r, :L].to(dev))                       # (m, L)
             loss, vf = algos.value_loss(v, batch.old_values[r, :L].to(dev), batch.returns[r, :L].to(dev),
@@ -477,7 +576,7 @@ def sft_step(state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tens
     model = state.model
     dev = _device(model)
 
-    def micro_loss(idx, L):
+    def micro_loss(idx, L, _):                    # every row whole: demonstrations rarely share a prompt
         ids, row_mask = input_ids[idx, :L].to(dev), mask[idx, :L]
         logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size, mask=row_mask.to(dev))  # (m, L)
         nll = algos.aggregate(-logp, row_mask.to(dev), "token-mean")

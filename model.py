@@ -19,6 +19,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -98,8 +99,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32 (bf16 squares overflow/underflow), cast back, then scale: HF's exact order
-        xf = x.float()
+        # normalise in fp32 (bf16 squares overflow/underflow; fp64 stays fp64), cast back, then scale: HF's order
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -220,6 +221,40 @@ class KVCache:
         self.v = [v[rows] for v in self.v]
 
 
+class SharedPrefix(NamedTuple):
+    """Which rows of a batch continue a prefix computed once (token_logprobs' `shared`; learner.shared_prefixes
+    builds it). Prefix g is input_ids[lead[g], :lens[g]]; row b continues prefix group[b] from position
+    lens[group[b]] on, for `cont` positions at most (what the rows' scored tokens need)."""
+    lead: torch.Tensor      # (n,) long, the row whose first lens[g] tokens are prefix g
+    lens: torch.Tensor      # (n,) long, each prefix's length (>= 1)
+    group: torch.Tensor     # (B,) long, the prefix each row continues
+    cont: int               # positions after its prefix a row is run for (the longest any row needs; may be 0)
+
+
+class PrefixKV:
+    """The kv_cache of shared-prefix scoring (Prefix Grouper, Liu et al. 2025, https://arxiv.org/abs/2506.05433):
+    the keys and values of prefixes run once, read by every row that continues one. Unlike KVCache it writes
+    nothing in place, so autograd flows through it: the gradient into a prefix's keys and values is the sum over
+    the rows that read it, the same sum that G separate copies of the prefix would produce.
+      a forward with rows None (the prefixes, (n, P)) stores each layer's k, v (n, nkv, P, hd) and attends as usual;
+      continued(rows) gives the cache of a forward over continuations (B, S), each row attending to its prefix's
+      keys and then its own: keys (B, nkv, P + S, hd)."""
+
+    def __init__(self, rows: torch.Tensor | None = None, k: dict | None = None, v: dict | None = None, pos: int = 0):
+        self.rows, self.k, self.v, self.pos = rows, dict(k or {}), dict(v or {}), pos
+
+    def update(self, layer_idx, k, v):
+        if self.rows is None:            # the prefixes' own forward (again, identically, under recomputation)
+            self.k[layer_idx], self.v[layer_idx] = k, v
+            return k, v
+        return (torch.cat([self.k[layer_idx][self.rows], k], dim=2),              # (B, nkv, P + S, hd)
+                torch.cat([self.v[layer_idx][self.rows], v], dim=2))
+
+    def continued(self, rows: torch.Tensor) -> "PrefixKV":
+        """The cache of the continuations' forward: row b reads prefix rows[b]."""
+        return PrefixKV(rows, self.k, self.v, self.pos)
+
+
 def attention_mask(T: int, past: int, key_padding_mask, device):
     """Boolean (B, 1, T, Tk) mask, True = may attend; None when plain causal attention is exact.
 
@@ -286,8 +321,32 @@ class Transformer(nn.Module):
         """-> logits (B, T, V) in the model's dtype."""
         return self.lm_head(self.hidden_states(input_ids, position_ids, key_padding_mask, kv_cache))
 
+    def shared_hidden_states(self, input_ids, shared: SharedPrefix):
+        """hidden_states of rows that continue shared prefixes, each prefix run once and each row's continuation
+        attending to it through PrefixKV, at the positions it has in its row -> (h (n x P + B x S, H): the prefixes'
+        states, then the continuations'; where (B, T) long: the row of h that holds each position's state). Row b's
+        position t reads prefix group[b]'s state t while t < lens[group[b]], then its continuation's. Positions a
+        row is not run for (past cont) point at some other state: the caller scores none of them."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        lens, group = shared.lens.to(dev), shared.group.to(dev)                     # (n,), (B,)
+        n, P, S = len(lens), int(lens.max()), shared.cont
+        kv = PrefixKV()
+        h = [self.hidden_states(input_ids[shared.lead.to(dev), :P], kv_cache=kv).reshape(n * P, -1)]  # (n P, H)
+        start = lens[group]                                                          # (B,) each continuation's start
+        if S > 0:
+            pos = start[:, None] + torch.arange(S, device=dev)                       # (B, S) positions in the row
+            ids = input_ids.gather(1, pos.clamp(max=T - 1))                           # (B, S) past T: never scored
+            real = torch.cat([torch.arange(P, device=dev)[None] < start[:, None],     # its own prefix's keys only
+                              torch.ones(B, S, dtype=torch.bool, device=dev)], dim=1)  # (B, P + S)
+            h.append(self.hidden_states(ids, pos, real, kv.continued(group)).reshape(B * S, -1))  # (B S, H)
+        t = torch.arange(T, device=dev)[None]                                        # (1, T)
+        where = torch.where(t < start[:, None], group[:, None] * P + t.clamp(max=P - 1),
+                            n * P + torch.arange(B, device=dev)[:, None] * S + (t - start[:, None]).clamp(min=0))
+        return torch.cat(h), where.clamp(max=n * P + B * S - 1)                      # (N, H), (B, T)
+
     def token_logprobs(self, input_ids, temperature=1.0, chunk_size=256, return_entropy=False, mask=None,
-                       entropy_grad=True, score=None, score_args=None):
+                       entropy_grad=True, score=None, score_args=None, shared: SharedPrefix | None = None):
         """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] / temperature)
         [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token). entropy[:, t] is the entropy of that
         same distribution (0 at t = 0).
@@ -303,16 +362,25 @@ class Transformer(nn.Module):
         z = logits / temperature (C, V) fp32 and the chunk's targets and score_args entries (C,), in place of
         log softmax(z)[target]. The learner scores a top-k / top-p sample under the truncated distribution it was
         drawn from this way (learner.truncated_score). The entropy stays that of softmax(z).
+
+        shared, optional: rows that share their first tokens run them once (shared_hidden_states); the scores are
+        those of the plain forward up to float rounding, and so are the gradients (see PrefixKV).
         """
         B, T = input_ids.shape
-        h = self.hidden_states(input_ids)[:, :-1]                       # (B, T-1, H) position t-1 predicts token t
-        keep = torch.ones(B, T - 1, dtype=torch.bool, device=h.device) if mask is None else mask[:, 1:].bool()
+        keep = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if mask is None else mask[:, 1:].bool()
         rows, cols = keep.nonzero(as_tuple=True)                        # (N,) x2, row-major
-        h_sel, targets = h[rows, cols], input_ids[:, 1:][rows, cols]    # (N, H), (N,)
+        targets = input_ids[:, 1:][rows, cols]                          # (N,) position t-1 predicts token t
+        if shared is None:
+            h = self.hidden_states(input_ids)                           # (B, T, H)
+            h_sel = h[rows, cols]                                       # (N, H)
+        else:
+            h, where = self.shared_hidden_states(input_ids, shared)     # (n P + B S, H), (B, T)
+            h_sel = h[where[rows, cols]]                                # (N, H)
         args = score_args[:, 1:][rows, cols] if score is not None else targets   # (N,)
 
         def chunk_logprobs(h_c, tgt_c, args_c):
-            logits = self.lm_head(h_c).float()                          # (C, V)
+            logits = self.lm_head(h_c)                                  # (C, V) fp32 (fp64 stays fp64)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             if temperature != 1.0:                                      # sampled at T: score softmax(logits / T)
                 logits = logits / temperature
             logp_all = torch.log_softmax(logits, dim=-1) if score is None or return_entropy else None  # (C, V)
@@ -334,7 +402,8 @@ class Transformer(nn.Module):
             ents.append(ent)
 
         def scatter(parts):                                             # (N,) -> (B, T), 0 where not scored
-            out = h.new_zeros(B, T - 1, dtype=torch.float32).index_put((rows, cols), torch.cat(parts))  # (B, T-1)
+            scores = torch.cat(parts)                                   # (N,) fp32, or fp64 for a fp64 model
+            out = scores.new_zeros(B, T - 1).index_put((rows, cols), scores)  # (B, T-1)
             return torch.cat([out.new_zeros(B, 1), out], dim=1)         # (B, T)
 
         if return_entropy:

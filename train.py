@@ -150,16 +150,18 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):
         set_sizes = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,
                                 lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
-                                lc.max_tokens_per_micro_batch)
+                                lc.max_tokens_per_micro_batch, lc.shared_prefix)
     trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes)
     ref = None
     if lc.kl_coef > 0:
         ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch)  # (B, T)
+                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
+                               shared_prefix=lc.shared_prefix)                   # (B, T)
     old = None                                                                     # exactly on-policy: the update
     if old_logprobs_needed(lc) or cfg.algo.kl_in_reward or teacher is not None:   # takes pi = pi_old, detached
         old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch, **trunc)  # (B, T) pi_old
+                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
+                               shared_prefix=lc.shared_prefix, **trunc)          # (B, T) pi_old
     metrics["perf/old_logprob_pass"] = float(old is not None)
     token_kl = None
     if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
@@ -194,7 +196,8 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
             informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
     if teacher is not None:                                                        # on-policy distillation
         teacher_logp = compute_logprobs(teacher, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                                        lc.logprob_chunk_size, mask)               # (B, T)
+                                        lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
+                                        shared_prefix=lc.shared_prefix)            # (B, T)
         adv, m = algos.distillation_advantages(old, teacher_logp, mask, adv, cfg.algo.distill_coef)   # (B, T)
         metrics["train/distill_reverse_kl"] = float(m["distill_reverse_kl"])
         informative = True

@@ -26,10 +26,15 @@ TRAIN_LR = 1e-3                  # case_grads' two train_steps: 2 mini-batches x
 LORA_LR, LORA_STEPS = 1e-2, 15   # case_lora's SFT
 
 
-def make_batch(B=8, T=12, seed=0) -> TrainBatch:
-    """Ragged responses, one row fully masked (same as tests/test_learner.py)."""
+def make_batch(B=8, T=12, seed=0, groups=0) -> TrainBatch:
+    """Ragged responses, one row fully masked (same as tests/test_learner.py). groups > 0: row b shares its first 4
+    tokens (its prompt) with every row b' = b mod groups, and rows 0 and `groups` their first response token too
+    (learner.shared_prefix's case)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
+    if groups:
+        ids[:, :4] = ids[torch.arange(B) % groups, :4]
+        ids[groups, 4] = ids[0, 4]
     mask = torch.zeros(B, T)
     for b in range(B):
         if b != 3:
@@ -41,7 +46,8 @@ def make_batch(B=8, T=12, seed=0) -> TrainBatch:
 def scored(state, batch: TrainBatch, cfg: LearnerConfig) -> TrainBatch:
     """The batch with the learner's log-probs before the update, as train.compute_advantages gives it."""
     old = compute_logprobs(state.model, batch.input_ids, cfg.micro_batch_size, cfg.temperature,
-                           cfg.logprob_chunk_size, batch.loss_mask, cfg.max_tokens_per_micro_batch)
+                           cfg.logprob_chunk_size, batch.loss_mask, cfg.max_tokens_per_micro_batch,
+                           shared_prefix=cfg.shared_prefix)
     return dataclasses.replace(batch, old_logprobs=old)
 
 
@@ -95,6 +101,13 @@ def case_grads() -> dict:
                 state, m = train_step(state, scored(state, make_batch(B=B), cfg), cfg)
                 out[f"grad/B{B}/{agg}/mbs{mbs}"] = first_step_grad(state)
                 out[f"metrics/B{B}/{agg}/mbs{mbs}"] = {k: m[k] for k in ("train/pg_loss", "train/entropy")}
+    for B in (8, 7):                   # rows sharing prompts, each run once (learner.shared_prefix) or whole
+        for share in (False, True):
+            for mbs in (8, 3, 1):
+                cfg = LearnerConfig(micro_batch_size=mbs, grad_clip=0.0, shared_prefix=share)
+                state = _learner(copy.deepcopy(base), cfg)
+                state, m = train_step(state, scored(state, make_batch(B=B, groups=3), cfg), cfg)
+                out[f"grad/grouped{B}/share{int(share)}/mbs{mbs}"] = first_step_grad(state)
     cfg = LearnerConfig(lr=TRAIN_LR, micro_batch_size=3, mini_batches=2, ppo_epochs=2)
     state = _learner(copy.deepcopy(base), cfg)
     out["step_grads"] = record_gradients(state)

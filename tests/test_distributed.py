@@ -95,6 +95,19 @@ def test_gradient_invariant_to_processes_and_micro_batches(grads, B, agg):
             assert two[f"metrics/B{B}/{agg}/mbs{mbs}"][k] == pytest.approx(v, rel=SUM_TOL, abs=LOSS_ABS), k
 
 
+@pytest.mark.parametrize("B", [8, 7])
+def test_shared_prefixes_give_the_gradient_of_whole_rows_in_any_process_count(grads, B):
+    """learner.shared_prefix: rows that share a prompt run it once; the gradient is the one of whole rows, in 1 and 2
+    processes (FSDP2 on gloo: every rank runs both forwards, dummy micro-batches too) and for any micro-batch size."""
+    one, two = grads
+    ref = one[f"grad/grouped{B}/share0/mbs8"]
+    assert ref.abs().max() > 0
+    for mbs in (8, 3, 1):
+        for share in (0, 1):
+            for res in (one, two):
+                assert rel_err(res[f"grad/grouped{B}/share{share}/mbs{mbs}"], ref) < SUM_TOL, (mbs, share)
+
+
 def test_full_state_dict_and_training_match_one_process(grads):
     one, two = grads
     assert set(two["fresh"]) == set(one["fresh"])       # Hugging Face names, tied lm_head included

@@ -209,6 +209,8 @@ KNOBS: dict[str, Knob] = {
                                      "tests/test_learner.py checks the gradient"),
     "learner.max_tokens_per_micro_batch": Knob("64", (), INERT, PERF + " (another summation order); "
                                                "tests/test_learner.py checks the gradient"),
+    "learner.shared_prefix": Knob("false", (), INERT, PERF + " (another summation order); "
+                                  "tests/test_learner.py checks the gradient"),
     "learner.mini_batches": Knob("2"),
     "learner.ppo_epochs": Knob("2"),
     "learner.temperature": Knob("0.7"),

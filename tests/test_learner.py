@@ -185,8 +185,8 @@ def test_token_budget_micro_batches_pack_by_length_and_keep_the_gradient():
     lens = _row_lens(batch.loss_mask)
     for budget in (1, 10, 24, 1000):
         plan = _rank_micro_batches(lens, 32, budget)
-        assert sorted(torch.cat([idx for idx, _ in plan]).tolist()) == list(range(8))
-        for idx, _ in plan:
+        assert sorted(torch.cat([mb.rows for mb in plan]).tolist()) == list(range(8))
+        for idx, _, _ in plan:
             assert len(idx) == 1 or len(idx) * int(lens[idx].max()) <= budget
     model = init_model(CFG, seed=0)
     grads, pads = [], []
@@ -244,7 +244,7 @@ def test_top_k_top_p_batches_are_scored_on_the_sampled_sets(top_k, top_p, temper
     assert batch.kept_sizes[batch.loss_mask.bool()].min() >= 1
     cfg = LearnerConfig(micro_batch_size=5, grad_clip=0.0, temperature=temperature)
     old = compute_logprobs(model, batch.input_ids, 5, temperature, 256, batch.loss_mask,
-                           score=truncated_score, score_args=batch.kept_sizes)
+                           score=truncated_score, score_args=batch.kept_sizes, shared_prefix=True)
     grads = []
     for b in (replace(batch, old_logprobs=old), replace(batch, old_from_update=True)):
         state = make_learner(copy.deepcopy(model), cfg, seed=0)
