@@ -407,6 +407,7 @@ def validate(cfg: Config) -> Config:
         ("algo.truncation", cfg.algo.truncation, algos.TRUNCATION_KINDS),
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
+        ("learner.precision", cfg.learner.precision, ("fp32", "bf16")),
         ("ray.placement_strategy", cfg.ray.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
         ("ray.dispatcher", cfg.ray.dispatcher, DISPATCHERS),
     ]

@@ -18,6 +18,7 @@ Shapes: B batch, T tokens (queries), Tk keys (cached + new), H hidden, V vocab,
 import json
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -288,6 +289,8 @@ class Transformer(nn.Module):
         # A plain fp32 attribute, not a buffer: model.to(bfloat16) would round a buffer and shift the angles.
         self.inv_freq = rope_inv_freq(cfg)  # (hd/2,)
         self.gradient_checkpointing = False  # recompute each decoder layer during backward (saves activations)
+        self.compute_dtype = None  # bf16: the decoder layers' matmuls and attention run under torch.autocast in it
+                                   # (the learner's precision); None: in the parameters' dtype
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
@@ -308,11 +311,16 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)                                         # (B, T, H)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         mask = attention_mask(T, past, key_padding_mask, input_ids.device)
-        for i, layer in enumerate(self.model.layers):
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, kv_cache, i, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask, kv_cache, i)
+        # mixed precision: linear layers and attention in compute_dtype, the residual stream, norms, softmax's
+        # statistics and the head (outside this) in fp32, as torch.autocast lays out (Micikevicius et al. 2018,
+        # https://arxiv.org/abs/1710.03740)
+        mixed = torch.autocast(x.device.type, dtype=self.compute_dtype) if self.compute_dtype else nullcontext()
+        with mixed:
+            for i, layer in enumerate(self.model.layers):
+                if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                    x = checkpoint(layer, x, cos, sin, mask, kv_cache, i, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, mask, kv_cache, i)
         if kv_cache is not None:
             kv_cache.pos += T
         return self.model.norm(x)

@@ -49,7 +49,7 @@ from env import make_env, mix_seed, sample_mixture
 from eval import heldout_tasks, run_eval
 from learner import (Critic, LearnerState, TrainBatch, ValueBatch, compute_logprobs, compute_values, critic_step,
                      infer_kept_sizes, load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed,
-                     train_step, truncated_score)
+                     set_precision, train_step, truncated_score)
 from model import load_model
 from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe, wing
 from runs import (Logger, PerfMeter, check_file, check_paths, checkpoint_step, finish_run, resolve_resume,
@@ -233,7 +233,7 @@ def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, 
         probe = sync_probe(rollouts, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
     prompts, gens, temperature = broadcast_object(probe)
     threshold = cfg.rollout.sync_max_logprob_diff
-    threshold = default_sync_threshold(cfg.model.dtype) if threshold is None else threshold
+    threshold = default_sync_threshold(cfg.model.dtype, cfg.learner.precision) if threshold is None else threshold
     gap = logprob_gap(policy.model, prompts, gens, temperature)
     return {"sync/logprob_abs_diff": assert_synced(gap, threshold, len(gens))}
 
@@ -264,6 +264,8 @@ def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_
     if engine_model is not None:                      # where the learner computes: rank 0's GPU, or the CPU
         engine_model.to(next(model.parameters()).device)
     policy = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
+    if engine_model is not None:                      # the engine samples in the learner's precision
+        set_precision(engine_model, learner_cfg.precision)
     if resume:
         policy = load_checkpoint(policy, resume)
         if critic is not None:

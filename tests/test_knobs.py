@@ -56,6 +56,8 @@ class Knob:
     stops: bool = False          # changes: the change is that the run stops, mid-way, with an error
 
 
+CPU_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()   # learner.precision=bf16
+
 # contexts shared by several knobs (one baseline each)
 EPOCHS = ("learner.ppo_epochs=2",)          # a second pass over the batch: the ratio leaves 1, so clips can bind
 ASYNC = ("rollout.async_rollouts=true",)    # samples from the previous weights: importance weights leave 1
@@ -211,6 +213,8 @@ KNOBS: dict[str, Knob] = {
                                                "tests/test_learner.py checks the gradient"),
     "learner.shared_prefix": Knob("false", (), INERT, PERF + " (another summation order); "
                                   "tests/test_learner.py checks the gradient"),
+    "learner.precision": Knob("bf16", (), CHANGES if CPU_BF16 else REFUSED,
+                              "refused on a CPU without avx512_bf16 or AMX"),
     "learner.mini_batches": Knob("2"),
     "learner.ppo_epochs": Knob("2"),
     "learner.temperature": Knob("0.7"),
