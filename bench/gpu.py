@@ -19,6 +19,9 @@ in bf16 (--dtype; fp32 by default with --tiny):
                           on CUDA each side's peak memory above what was allocated before the call (KV cache etc.)
   learner                 learner.train_step on rows x tokens (one mini-batch, one epoch, AdamW): tokens/s, MFU
                           and peak memory, with and without gradient checkpointing
+  shared prefix, bf16     train_step on groups of 8 rows sharing a 3/4-row prompt, fp32 parameters: every row whole,
+                          the shared prompt run once (learner.shared_prefix; a check: the same gradient, fails the
+                          run), and the same in bf16 (learner.precision=bf16; where the device has bf16)
   weight push             TorchEngine.update_weights from the learner's state dict: seconds and GB/s
   train.py                (first shape only) two GRPO steps of train.main on toy math, the model saved with a
                           small BPE tokenizer (sampled ids past it decode to nothing: rewards are 0, so
@@ -216,6 +219,55 @@ def bench_learner(model, device, peak: float, size: dict) -> dict:
     return out
 
 
+def bench_shared_and_bf16(cfg: ModelConfig, device, size: dict) -> dict:
+    """learner.shared_prefix and learner.precision=bf16 on an fp32 copy of the shape: train_step seconds on groups of
+    8 rows sharing a prompt of 3/4 of the row, a group per micro-batch (every row whole; shared prompts; shared
+    prompts in bf16), and the
+    check (fails the run) that the shared path's gradient is the whole rows' to fp32 summation order (relative 1e-3;
+    a row attending to the wrong prefix is off by O(1)). bf16 rows only where set_precision accepts the device."""
+    B, T = size["train_rows"], size["train_len"]
+    G, P = 8, 3 * size["train_len"] // 4
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, cfg.vocab_size, (B, T), generator=g)                    # (B, T)
+    ids[:, :P] = ids[torch.arange(B) // G * G, :P]                                 # each group's rows: one prompt
+    mask = torch.zeros(B, T)
+    mask[:, P:] = 1.0                                                              # (B, T) the responses
+    adv = torch.randn(B, 1, generator=g) * mask                                    # (B, T)
+    batch = TrainBatch(ids, mask, adv, old_from_update=True)
+    base = init_model(cfg, seed=0).to(device)
+    out, grads = {}, {}
+    runs = [("whole_rows", dict(shared_prefix=False)), ("shared", {}), ("shared_bf16", dict(precision="bf16"))]
+    for tag, kw in runs:
+        cfg_l = LearnerConfig(lr=1e-6, grad_clip=0.0, micro_batch_size=G, **kw)   # a group per micro-batch
+        try:
+            state = make_learner(copy.deepcopy(base), cfg_l, seed=0)
+        except ValueError as e:                                                    # no bf16 on this CPU
+            out[f"{tag}_skipped"] = str(e)[:80]
+            continue
+        seen = []
+        state.optimizer.register_step_pre_hook(lambda *_: seen.append(
+            torch.cat([p.grad.flatten().float().cpu() for p in state.model.parameters()])))
+        state, _ = train_step(state, batch, cfg_l)                                 # warm-up, and its gradient
+        grads[tag] = seen[0]
+        times = []
+        for _ in range(size["repeats"]):
+            sync(device)
+            t0 = time.perf_counter()
+            state, _ = train_step(state, batch, cfg_l)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        out[f"{tag}_seconds"] = statistics.median(times)
+        del state
+    ref = grads["whole_rows"]
+    out["shared_grad_rel_err"] = float((grads["shared"] - ref).abs().max() / ref.abs().max())
+    out["shared_ok"] = out["shared_grad_rel_err"] < 1e-3
+    out["shared_speedup"] = out["whole_rows_seconds"] / out["shared_seconds"]
+    if "shared_bf16" in grads:
+        out["bf16_grad_cosine"] = float(torch.nn.functional.cosine_similarity(grads["shared_bf16"], ref, dim=0))
+        out["bf16_speedup_over_shared_fp32"] = out["shared_seconds"] / out["shared_bf16_seconds"]
+    return out
+
+
 def bench_push(model, device, dtype: str) -> dict:
     """update_weights of a second TorchEngine from the learner's state dict, then the gate on the new weights."""
     engine = TorchEngine(init_model(model.cfg, seed=1).to(device=device, dtype=model.lm_head.weight.dtype), pad_id=0)
@@ -302,11 +354,12 @@ def main(argv=None) -> dict:
             r.update(check_engine_vs_learner(model, args.dtype, size))
             r.update(bench_decode(model.eval(), os.path.join(tmp, name), device, dtype, size))
             r.update(bench_learner(model, device, peak, size))
+            r.update(bench_shared_and_bf16(cfg, device, size))
             r.update(bench_push(model, device, args.dtype))
             del model
             if i == 0 and not args.skip_grpo:
                 r.update(grpo_steps(cfg, tmp, args.dtype, size))
-            failed += [f"{name}: {k}" for k in ("bf16_ok", "engine_learner_ok", "push_ok") if not r[k]]
+            failed += [f"{name}: {k}" for k in ("bf16_ok", "engine_learner_ok", "push_ok", "shared_ok") if not r[k]]
             results["shapes"][name] = r
             print(f"\n## {name} ({r['params_m']:.3g}M parameters)\n" + "\n".join(
                 f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in r.items()), flush=True)

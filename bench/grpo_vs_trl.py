@@ -1,6 +1,7 @@
 """bench/grpo_vs_trl.py: the whole GRPO step of train.py vs TRL's GRPOTrainer on the same work, side by side.
 
-    .venv/bin/python bench/grpo_vs_trl.py --trl-python /path/to/venv/bin/python [--sizes default,10m] [--threads 1]
+    .venv/bin/python bench/grpo_vs_trl.py --trl-python /path/to/venv/bin/python [--sizes default,10m,10m-long]
+        [--sides ours,trl,ours-bf16,trl-bf16,ours-plain] [--threads 1]
         [--prompts 8 --group 8 --max-tokens 64 --steps 10 --pairs 3]
 
 Same model folder, same prompts (token for token), same P prompts x G samples x up to M new tokens, one optimizer
@@ -35,9 +36,17 @@ start to the first step's start (imports, model load, trainer or learner set-up;
 step 0). Peak RSS: the child's ru_maxrss, read by the parent with os.wait4. Ratios are ours / TRL per timed pair,
 then the median; "speed" is TRL's step time over ours (> 1: we are faster).
 
+Sides (each its own process, interleaved in the order given): `ours` (train.py's defaults: shared prompts run once,
+token-budget micro-batches), `ours-plain` (learner.shared_prefix=false, learner.max_tokens_per_micro_batch=0: every row
+whole, micro_batch_size rows: the update as it was before both), `ours-bf16` (learner.precision=bf16), `trl`, and
+`trl-bf16` (GRPOConfig bf16=True: autocast on the CPU). Ratios are printed for each pair present of: ours / trl,
+ours-bf16 / trl-bf16, ours-bf16 / ours, ours / ours-plain.
+
 Sizes: `default` (the embedded default model of configs/toy_math.yaml, built with sft.py on first use and cached in
 --cache-dir), `10m` (the same tokenizer and a Qwen2 shape with random N(0, 0.02) weights, bench/engine_vs_hf.py's
-10m shape: hidden 384, 6 layers, 6 heads / 3 kv, head_dim 64, MLP 1056; ~10.8M parameters).
+10m shape: hidden 384, 6 layers, 6 heads / 3 kv, head_dim 64, MLP 1056; ~10.8M parameters), `10m-long` (the 10m
+model, its prompts opening with a long system prompt, LONG_SYSTEM: the tool and format instructions an agent's
+prompt carries; both sides get the toy_math tasks through the `dataset` env, rendered the same way).
 A random model rarely samples <|im_end|>, so its episodes run to M tokens, and its rewards are all 0.
 
 TRL goes in a scratch venv outside the repo (the versions measured; torch first, so that nothing pulls a CUDA build,
@@ -61,11 +70,26 @@ T_PROCESS = time.time()          # a child's start-up is measured from here (bef
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SHAPES = {                      # model.ModelConfig fields over the default model's config ("default": none)
-    "default": {},
-    "10m": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
-                intermediate_size=1056, head_dim=64, tie_word_embeddings=False),
+SHAPE_10M = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
+                 intermediate_size=1056, head_dim=64, tie_word_embeddings=False)
+SHAPES = {"default": {}, "10m": SHAPE_10M, "10m-long": SHAPE_10M}   # ModelConfig fields over the default model's
+LONG_SYSTEM = " ".join([                                            # 10m-long's system prompt
+    "You are a careful assistant that solves arithmetic problems with tools.",
+    "Read the problem twice. Work out each intermediate quantity before the final one.",
+    "When a step needs exact arithmetic, call the calculator tool with a plain expression such as 12 * (3 + 4);",
+    "do not call it with words, units or variables. Wait for the tool's answer before you go on.",
+    "If a tool returns an error, fix the expression and call it again rather than guessing.",
+    "Keep every number you have found; never round unless the problem asks for it.",
+    "When you know the final answer, call finish with the number alone, with no words and no units.",
+    "Answers are integers unless the problem says otherwise. Negative answers keep their sign.",
+    "Do not explain your reasoning at length: one short sentence per step is enough.",
+    "Never call finish before you have checked the answer against the problem's question."] * 2)
+SIDES = {                       # side -> (worker, its train.py overrides or TRL's bf16 flag)
+    "ours": ("ours", []), "ours-bf16": ("ours", ["learner.precision=bf16"]),
+    "ours-plain": ("ours", ["learner.shared_prefix=false", "learner.max_tokens_per_micro_batch=0"]),
+    "trl": ("trl", []), "trl-bf16": ("trl", ["--bf16"]),
 }
+RATIOS = [("ours", "trl"), ("ours-bf16", "trl-bf16"), ("ours-bf16", "ours"), ("ours", "ours-plain")]
 N_TRL_PROMPTS = 512             # distinct train prompts written for TRL's dataset (it draws P per step)
 
 
@@ -95,14 +119,37 @@ def make_folder(size: str, base: str, out: str) -> str:
     return out
 
 
-def write_prompts(folder: str, path: str, seed: int) -> float:
-    """TRL's train file: toy_math's train tasks rendered exactly as agent.init_episodes renders them, with our token
-    ids (the TRL child checks its own against them) -> their mean length in tokens."""
+def env_config(size: str, work: str, seed: int) -> str:
+    """The envs list our side trains on, as a YAML file: toy_math, or for a `-long` size the same tasks through the
+    `dataset` env with LONG_SYSTEM as the system prompt (written to `work`)."""
+    path = os.path.join(work, f"envs_{size}.yaml")
+    if not size.endswith("-long"):
+        envs = [{"name": "toy_math", "eval_size": 1}]
+    else:
+        from env import make_env
+        tasks = os.path.join(work, "toy_math_tasks.jsonl")
+        toy = make_env("toy_math")
+        with open(tasks, "w") as f:
+            for split in ("train", "test"):
+                for t in toy.sample_tasks(split, 2000, seed):
+                    f.write(json.dumps({"problem": t.prompt, "answer": t.answer}) + "\n")
+        envs = [{"name": "dataset", "eval_size": 1, "kwargs": {"path": tasks, "system_prompt": LONG_SYSTEM}}]
+    with open(path, "w") as f:
+        json.dump({"envs": envs}, f)                     # JSON is YAML
+    return path
+
+
+def write_prompts(folder: str, path: str, seed: int, envs: str) -> float:
+    """TRL's train file: the train tasks of our side's env (envs: env_config's file) rendered exactly as
+    agent.init_episodes renders them, with our token ids (the TRL child checks its own against them) -> their mean
+    length in tokens."""
     from tokenizers import Tokenizer
 
     from chat import encode, render
     from env import make_env
-    env, tok = make_env("toy_math"), Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    with open(envs) as f:
+        spec = json.load(f)["envs"][0]
+    env, tok = make_env(spec["name"], **spec.get("kwargs", {})), Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     lengths = []
     with open(path, "w") as f:
         for task in env.sample_tasks("train", N_TRL_PROMPTS, seed):
@@ -164,12 +211,17 @@ def main():
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--envs", help=argparse.SUPPRESS)
+    ap.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return (ours_worker if args.worker == "ours" else trl_worker)(args)
     sides = args.sides.split(",")
-    if "trl" in sides and not args.trl_python:
-        ap.error("--trl-python is needed for the trl side (or --sides ours)")
+    if any(s not in SIDES for s in sides):
+        ap.error(f"--sides: each of {list(SIDES)}")
+    if any(SIDES[s][0] == "trl" for s in sides) and not args.trl_python:
+        ap.error("--trl-python is needed for a trl side (or --sides ours)")
     PG = args.prompts * args.group
     micro = args.micro_batch or PG
     if PG % micro:
@@ -179,16 +231,18 @@ def main():
     os.makedirs(work, exist_ok=True)
     base = args.base or default_model(args.cache_dir)
     load = os.getloadavg()
-    print(f"threads {args.threads}, fp32, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
+    print(f"threads {args.threads}, sides {', '.join(sides)}, P={args.prompts} x G={args.group}, "
+          f"M={args.max_tokens}, {args.steps} steps, "
           f"micro-batch {micro}, lr {args.lr}; {args.warmup_pairs} warm-up pair(s), then {args.pairs} interleaved "
           "pairs; "
           f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     rows = []
     for size in args.sizes.split(","):
         folder = make_folder(size, base, os.path.join(work, f"model_{size}"))
-        data = os.path.join(work, f"prompts_{size}.jsonl")
-        prompt_len = write_prompts(folder, data, args.seed)
-        common = ["--folder", folder, "--data", data, "--threads", str(args.threads), "--prompts", str(args.prompts),
+        data, envs = os.path.join(work, f"prompts_{size}.jsonl"), env_config(size, work, args.seed)
+        prompt_len = write_prompts(folder, data, args.seed, envs)
+        common = ["--folder", folder, "--data", data, "--envs", envs, "--threads", str(args.threads),
+                  "--prompts", str(args.prompts),
                   "--group", str(args.group), "--max-tokens", str(args.max_tokens), "--steps", str(args.steps),
                   "--micro-batch", str(micro), "--lr", str(args.lr), "--seed", str(args.seed)]
         python = {"ours": sys.executable, "trl": args.trl_python}
@@ -196,7 +250,9 @@ def main():
         for r in range(args.warmup_pairs + args.pairs):                  # the warm-up pairs first
             for side in sides:
                 log = os.path.join(work, f"{size}_{side}_{r}.log")
-                cmd = [python[side], os.path.abspath(__file__), "--worker", side] + common
+                worker, extra = SIDES[side]
+                cmd = [python[worker], os.path.abspath(__file__), "--worker", worker] + common
+                cmd += ["--bf16"] if extra == ["--bf16"] else [f"--override={o}" for o in extra]
                 out = summarize(run_child(cmd, args.threads, log))
                 timed = r >= args.warmup_pairs
                 print(f"  {size} {side} {f'pair {r + 1 - args.warmup_pairs}' if timed else 'warm-up'}: "
@@ -215,8 +271,8 @@ def main():
 def print_table(rows, sides, args):
     med = statistics.median
     print(f"threads {args.threads}, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
-          f"medians of {args.pairs} interleaved runs per side (each run: the median of its steps); ratios: ours / TRL "
-          "per pair, then the median\n")
+          f"medians of {args.pairs} interleaved runs per side (each run: the median of its steps); ratios: A / B per "
+          "pair of runs, then the median\n")
     print("| model | side | s/step | sampling s | update s | other s | all but sampling | start-up s | peak RSS GiB "
           "| new tokens/sample |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -226,18 +282,19 @@ def print_table(rows, sides, args):
             print(f"| {size} ({prompt_len:.0f}-token prompts) | {s} | {f['step']:.2f} | {f['sample']:.2f} "
                   f"| {f['update']:.2f} | {f['other']:.2f} | {f['not_sample'] / f['step']:.0%} | {f['startup']:.1f} "
                   f"| {f['rss']:.2f} | {f['tokens']:.1f} |")
-    if "trl" not in sides or "ours" not in sides:
-        return
-    print("\n| model | speed (TRL s/step / ours) | sampling ours/TRL | all but sampling ours/TRL | start-up ours/TRL "
-          "| peak RSS ours/TRL |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | A / B | speed (B s/step / A) | sampling A/B | update A/B | all but sampling A/B | start-up A/B "
+          "| peak RSS A/B |")
+    print("|---|---|---|---|---|---|---|---|")
     for size, _, runs in rows:
-        pairs = list(zip(runs["ours"], runs["trl"]))
+        for a, b in RATIOS:
+            if a not in sides or b not in sides:
+                continue
+            pairs = list(zip(runs[a], runs[b]))
 
-        def ratio(key, invert=False):
-            return med((t[key] / o[key]) if invert else (o[key] / t[key]) for o, t in pairs)
-        print(f"| {size} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} | {ratio('not_sample'):.2f} "
-              f"| {ratio('startup'):.2f} | {ratio('rss'):.2f} |")
+            def ratio(key, invert=False):
+                return med((y[key] / x[key]) if invert else (x[key] / y[key]) for x, y in pairs)
+            print(f"| {size} | {a} / {b} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} "
+                  f"| {ratio('update'):.2f} | {ratio('not_sample'):.2f} | {ratio('startup'):.2f} | {ratio('rss'):.2f} |")
 
 
 # -----------------------------------------------------------------------------
@@ -251,7 +308,7 @@ def ours_worker(args):
     run_dir = tempfile.mkdtemp(prefix="grpo_vs_trl_ours_")
     max_prompt = max(len(json.loads(line)["ids"]) for line in open(args.data))
     overrides = [
-        f"model.path={args.folder}", "envs.0.name=toy_math", "envs.0.eval_size=1",
+        f"model.path={args.folder}",                                   # the envs: env_config's file
         f"steps={args.steps}", f"eval_every={args.steps + 1}",          # held-out eval: step 0 and the end only
         f"seed={args.seed}", f"threads={args.threads}", "wandb=false", f"out_dir={run_dir}", "run_name=bench",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.agent.n_samples={args.group}",
@@ -260,7 +317,7 @@ def ours_worker(args):
         f"learner.lr={args.lr}", f"learner.micro_batch_size={args.micro_batch}", "learner.policy_loss=ppo",
         "learner.loss.agg_mode=token-mean", "algo.name=grpo", "algo.skip_uniform_batches=false",
     ]
-    cfg = load_config(None, overrides)
+    cfg = load_config(args.envs, overrides + args.override)
     t_main = time.time()
     train.main(cfg)
     with open(os.path.join(run_dir, "bench", "metrics.jsonl")) as f:
@@ -344,7 +401,7 @@ def trl_worker(args):
     timer = StepTimer()
     PG = args.prompts * args.group
     cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo_vs_trl_trl_"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=tempfile.mkdtemp(prefix="grpo_vs_trl_trl_"), use_cpu=True, bf16=args.bf16, fp16=False,
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=PG // args.micro_batch,
         num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
