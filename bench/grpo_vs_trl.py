@@ -39,8 +39,10 @@ then the median; "speed" is TRL's step time over ours (> 1: we are faster).
 Sides (each its own process, interleaved in the order given): `ours` (train.py's defaults: shared prompts run once,
 token-budget micro-batches), `ours-plain` (learner.shared_prefix=false, learner.max_tokens_per_micro_batch=0: every row
 whole, micro_batch_size rows: the update as it was before both), `ours-bf16` (learner.precision=bf16), `trl`, and
-`trl-bf16` (GRPOConfig bf16=True: autocast on the CPU). Ratios are printed for each pair present of: ours / trl,
-ours-bf16 / trl-bf16, ours-bf16 / ours, ours / ours-plain.
+`trl-bf16` (GRPOConfig bf16=True: autocast on the CPU), `ours-keepmem` (ours with glibc's malloc tuned to keep
+freed memory, KEEP_FREED: blocks up to 32 MiB from the heap, never trimmed, so a step's activations reuse the last
+step's pages instead of mapping and freeing them). Ratios are printed for each pair present of: ours / trl,
+ours-bf16 / trl-bf16, ours-bf16 / ours, ours / ours-plain, ours-keepmem / ours.
 
 Sizes: `default` (the embedded default model of configs/toy_math.yaml, built with sft.py on first use and cached in
 --cache-dir), `10m` (the same tokenizer and a Qwen2 shape with random N(0, 0.02) weights, bench/engine_vs_hf.py's
@@ -84,12 +86,15 @@ LONG_SYSTEM = " ".join([                                            # 10m-long's
     "Answers are integers unless the problem says otherwise. Negative answers keep their sign.",
     "Do not explain your reasoning at length: one short sentence per step is enough.",
     "Never call finish before you have checked the answer against the problem's question."] * 2)
-SIDES = {                       # side -> (worker, its train.py overrides or TRL's bf16 flag)
-    "ours": ("ours", []), "ours-bf16": ("ours", ["learner.precision=bf16"]),
-    "ours-plain": ("ours", ["learner.shared_prefix=false", "learner.max_tokens_per_micro_batch=0"]),
-    "trl": ("trl", []), "trl-bf16": ("trl", ["--bf16"]),
+KEEP_FREED = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"}
+SIDES = {                       # side -> (worker, its train.py overrides or TRL's bf16 flag, its environment)
+    "ours": ("ours", [], {}), "ours-bf16": ("ours", ["learner.precision=bf16"], {}),
+    "ours-plain": ("ours", ["learner.shared_prefix=false", "learner.max_tokens_per_micro_batch=0"], {}),
+    "ours-keepmem": ("ours", [], KEEP_FREED),      # glibc's malloc keeps freed blocks up to 32 MiB (no munmap/trim)
+    "trl": ("trl", [], {}), "trl-bf16": ("trl", ["--bf16"], {}),
 }
-RATIOS = [("ours", "trl"), ("ours-bf16", "trl-bf16"), ("ours-bf16", "ours"), ("ours", "ours-plain")]
+RATIOS = [("ours", "trl"), ("ours-bf16", "trl-bf16"), ("ours-bf16", "ours"), ("ours", "ours-plain"),
+          ("ours-keepmem", "ours")]
 N_TRL_PROMPTS = 512             # distinct train prompts written for TRL's dataset (it draws P per step)
 
 
@@ -161,10 +166,10 @@ def write_prompts(folder: str, path: str, seed: int, envs: str) -> float:
     return sum(lengths) / len(lengths)
 
 
-def run_child(cmd: list[str], threads: int, log_path: str) -> dict:
+def run_child(cmd: list[str], threads: int, log_path: str, extra_env: dict | None = None) -> dict:
     """Run one side in its own process -> its JSON result, plus peak_rss_gib (os.wait4: the child's own ru_maxrss)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **(extra_env or {})}
     result = log_path + ".json"
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd + ["--result", result], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -250,10 +255,10 @@ def main():
         for r in range(args.warmup_pairs + args.pairs):                  # the warm-up pairs first
             for side in sides:
                 log = os.path.join(work, f"{size}_{side}_{r}.log")
-                worker, extra = SIDES[side]
+                worker, extra, env = SIDES[side]
                 cmd = [python[worker], os.path.abspath(__file__), "--worker", worker] + common
                 cmd += ["--bf16"] if extra == ["--bf16"] else [f"--override={o}" for o in extra]
-                out = summarize(run_child(cmd, args.threads, log))
+                out = summarize(run_child(cmd, args.threads, log, env))
                 timed = r >= args.warmup_pairs
                 print(f"  {size} {side} {f'pair {r + 1 - args.warmup_pairs}' if timed else 'warm-up'}: "
                       f"{out['step']:.2f} s/step "
