@@ -130,15 +130,18 @@ def test_ray_job_submit_with_learner_actors_matches_torchrun(tiny, reference, ra
 
 
 @pytest.mark.slow
-def test_a_failing_learner_actor_is_named(tiny, ray_head):
-    """Joining the cluster at ray.address, every rank raises at once (a config main() refuses): the driver stops
-    with the rank and the cause, and kills the other actors."""
+def test_a_failing_learner_actor_is_named(tiny, ray_head, tmp_path):
+    """Joining the cluster at ray.address, every rank raises at once (resume= a folder that is no checkpoint, which
+    main() refuses before anything else): the driver stops with the rank and the cause, and kills the other
+    actors."""
     from cluster import launch_on_ray
     from train import main
 
     gcs, _, _ = ray_head
-    with pytest.raises(RuntimeError, match=r"learner rank \d of 2 failed:(.|\n)*cannot train"):
-        launch_on_ray(tiny("rollout.engine=openai", f"ray.address={gcs}", "ray.learner_workers=2"), main)
+    (tmp_path / "not_a_checkpoint").mkdir()
+    with pytest.raises(RuntimeError, match=r"learner rank \d of 2 failed:(.|\n)*not_a_checkpoint: the folder"):
+        launch_on_ray(tiny(f"resume={tmp_path / 'not_a_checkpoint'}", f"ray.address={gcs}",
+                           "ray.learner_workers=2"), main)
 
 
 @pytest.mark.slow
