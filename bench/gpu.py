@@ -186,6 +186,18 @@ def bench_decode(model, tmp: str, device, dtype, size: dict) -> dict:
     return out
 
 
+def timed_steps(state, batch: TrainBatch, cfg: LearnerConfig, device, repeats: int) -> tuple:
+    """`repeats` train_steps, each timed alone (the device synchronised around it) -> (state, median seconds)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        state, _ = train_step(state, batch, cfg)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return state, statistics.median(times)
+
+
 def bench_learner(model, device, peak: float, size: dict) -> dict:
     """train_step on rows x tokens, with and without gradient checkpointing: tokens/s, MFU, peak memory."""
     B, T = size["train_rows"], size["train_len"]
@@ -202,15 +214,8 @@ def bench_learner(model, device, peak: float, size: dict) -> dict:
         old = compute_logprobs(model, ids, cfg.micro_batch_size, mask=mask)        # (B, T) ratio 1: on-policy
         batch = TrainBatch(ids, mask, adv, old)
         state, _ = train_step(state, batch, cfg)                                   # warm-up (AdamW state, kernels)
-        times = []
         reset_peak(device)
-        for _ in range(size["repeats"]):
-            sync(device)
-            t0 = time.perf_counter()
-            state, metrics = train_step(state, batch, cfg)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        sec = statistics.median(times)
+        state, sec = timed_steps(state, batch, cfg, device, size["repeats"])
         tag = "gc" if gc else "no_gc"
         out.update({f"learner_{tag}_tokens_per_s": B * T / sec, f"learner_{tag}_mfu": flops / sec / peak,
                     f"learner_{tag}_peak_gib": peak_memory_gib(device), f"learner_{tag}_seconds": sec})
@@ -244,19 +249,13 @@ def bench_shared_and_bf16(cfg: ModelConfig, device, size: dict) -> dict:
         except ValueError as e:                                                    # no bf16 on this CPU
             out[f"{tag}_skipped"] = str(e)[:80]
             continue
-        seen = []
-        state.optimizer.register_step_pre_hook(lambda *_: seen.append(
-            torch.cat([p.grad.flatten().float().cpu() for p in state.model.parameters()])))
+        seen, params = [], list(state.model.parameters())
+        hook = state.optimizer.register_step_pre_hook(lambda *_: seen.append(
+            torch.cat([p.grad.flatten().float().cpu() for p in params])))
         state, _ = train_step(state, batch, cfg_l)                                 # warm-up, and its gradient
+        hook.remove()
         grads[tag] = seen[0]
-        times = []
-        for _ in range(size["repeats"]):
-            sync(device)
-            t0 = time.perf_counter()
-            state, _ = train_step(state, batch, cfg_l)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        out[f"{tag}_seconds"] = statistics.median(times)
+        state, out[f"{tag}_seconds"] = timed_steps(state, batch, cfg_l, device, size["repeats"])
         del state
     ref = grads["whole_rows"]
     out["shared_grad_rel_err"] = float((grads["shared"] - ref).abs().max() / ref.abs().max())
