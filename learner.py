@@ -20,6 +20,10 @@ How one RL update works (train.py says where the batch and its old log-probs com
      across ranks (sorted by length, rank r takes every world-th row: balanced and deterministic) and
      FSDP2 sums the ranks' gradients. The weights of point 3 are shares of the *global* mini-batch's
      normaliser, so 1 process and N processes, with any micro-batch size, give the same gradient.
+  5. shared prompts (shared_prefix): the rows of a group share every token before their first sampled one; a
+     micro-batch keeps a group together and runs that prefix once, each row's continuation attending to its keys
+     and values (model.PrefixKV). The losses and gradients are those of whole rows (to rounding), so points 3 and 4
+     hold unchanged; micro-batches are capped by rows and by token positions (_rank_micro_batches).
 
 Sections: config and state; scoring; the RL update;
 the critic; SFT; the weights an engine loads; checkpoints. LoRA is a wing (lora.py), reached through two hooks: a
