@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # every rank builds the same model and calls the same learner functions on the same global batch; the
 # learner splits rows across ranks (learner.py's docstring, point 4). Every forward and backward of a sharded
 # model is a collective (parameters are all-gathered per layer), so every rank must run the same number
-# of them: `_rank_micro_batches` pads a rank that has fewer rows with zero-weight micro-batches.
+# of them: `microbatch.rank_micro_batches` pads a rank that has fewer rows with zero-weight micro-batches.
 
 def init_distributed() -> tuple[int, int]:
     """Join torchrun's process group (RANK, WORLD_SIZE, MASTER_ADDR... in the environment) or stay a single

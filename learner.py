@@ -23,30 +23,30 @@ How one RL update works (train.py says where the batch and its old log-probs com
   5. shared prompts (shared_prefix): the rows of a group share every token before their first sampled one; a
      micro-batch keeps a group together and runs that prefix once, each row's continuation attending to its keys
      and values (model.PrefixKV). The losses and gradients are those of whole rows (to rounding), so points 3 and 4
-     hold unchanged; micro-batches are capped by rows and by token positions (_rank_micro_batches).
+     hold unchanged; micro-batches are capped by rows and by token positions (microbatch.py).
 
 Sections: config and state; scoring; the RL update;
 the critic; SFT; the weights an engine loads; checkpoints. LoRA is a wing (lora.py), reached through two hooks: a
 module's fold_into (merged_state_dict) and a model's adapter (save_checkpoint, load_checkpoint).
 Shapes: B sequences, T tokens.
-Imports: model.py (the network, save/load), algos.py (the losses) and distributed.py (torchrun, FSDP2) only.
+Imports: model.py (the network, save/load), algos.py (the losses), microbatch.py (which rows run together) and
+distributed.py (torchrun, FSDP2) only.
 """
 import copy
 import glob
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 import algos
-from distributed import FULL_STATE, all_reduce_, full_state_dict, get_rank, get_world_size, is_main, is_sharded
-from model import SharedPrefix, Transformer, save_model
+from distributed import FULL_STATE, all_reduce_, full_state_dict, get_world_size, is_main, is_sharded
+from microbatch import positions_run, rank_micro_batches, row_lens
+from model import Transformer, save_model
 
 
 # -----------------------------------------------------------------------------
@@ -242,9 +242,9 @@ def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_si
     model.eval()
     dev = _device(model)
     out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
-    lens = _row_lens(mask) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
+    lens = row_lens(mask) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
     share = (input_ids, mask) if shared_prefix and mask is not None else None
-    for idx, dummy, shared in _rank_micro_batches(lens, micro_batch_size, max_tokens, share):
+    for idx, dummy, shared in rank_micro_batches(lens, micro_batch_size, max_tokens, share):
         L = int(lens[idx].max())
         m = mask[idx, :L].to(dev) if mask is not None else None                  # score only the masked tokens
         args = score_args[idx, :L].to(dev) if score_args is not None else None
@@ -254,111 +254,6 @@ def compute_logprobs(model: Transformer, input_ids: torch.Tensor, micro_batch_si
             out[idx, :L] = logp.float().cpu()                                    # (m, L)
     model.train(was_training)
     return all_reduce_(out)
-
-
-def _row_lens(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) position of each row's last trained token + 1: the causal model never needs to look further, so
-    everything after it is padding as far as the update is concerned. At least 2 (when T allows): a row
-    with no trained token still makes a one-position loss that is 0 but has a graph, so its backward runs
-    (under FSDP a rank that skipped it would leave the other ranks waiting in a collective)."""
-    pos = torch.arange(1, mask.shape[1] + 1)                                     # (T,)
-    return (mask.bool() * pos).max(dim=1).values.clamp(min=min(2, mask.shape[1]))  # (B,)
-
-
-def _units(lens: torch.Tensor, share: tuple | None) -> list[tuple[torch.Tensor, int]]:
-    """The rows that go to a micro-batch together, each unit with the length of the prefix its rows share:
-    [(row indices, shared length)]. Without `share`, every row alone (shared length 0). With share = (input_ids,
-    mask), the rows whose tokens before their first trained one are the same (a group's prompt: found from the ids,
-    not assumed) form one unit, sharing their longest common prefix; a row with no partner stays alone."""
-    if share is None:
-        return [(torch.tensor([i]), 0) for i in range(len(lens))]
-    ids, mask = share
-    first = mask.bool().int().argmax(dim=1)                                     # (B,) first trained token
-    keys: dict[bytes, list[int]] = {}
-    for i in range(len(lens)):
-        keys.setdefault(ids[i, :int(first[i])].numpy().tobytes(), []).append(i)
-    units = []
-    for rows in keys.values():
-        rows = torch.tensor(rows)
-        if len(rows) == 1:
-            units.append((rows, 0))
-            continue
-        need = int(lens[rows].max()) - 1                                        # hidden states the rows read
-        differs = (ids[rows, :need] != ids[rows[:1], :need]).any(dim=0)        # (need,)
-        units.append((rows, int(differs.int().argmax()) if bool(differs.any()) else need))
-    return units
-
-
-def _layout(units: list[tuple[torch.Tensor, int]], lens: torch.Tensor,
-            always: bool = False) -> tuple[torch.Tensor, SharedPrefix | None]:
-    """A micro-batch of units -> (its rows, in order; the model's SharedPrefix over them, or None when no unit
-    shares anything: the plain forward). A row alone in a shared micro-batch is run as a prefix of its own.
-    always: a SharedPrefix with both forwards (prefixes, continuations) whatever the rows share, so that under
-    FSDP every rank's micro-batches make the same sequence of collectives."""
-    rows = torch.cat([r for r, _ in units])                                     # (m,)
-    if all(p == 0 for _, p in units) and not always:
-        return rows, None
-    lead, plens, group, start = [], [], [], 0
-    for g, (r, p) in enumerate(units):
-        lead.append(start)
-        plens.append(p if p > 0 else int(lens[r[0]]) - 1)
-        group += [g] * len(r)
-        start += len(r)
-    plens, group = torch.tensor(plens), torch.tensor(group)
-    cont = int((lens[rows] - 1 - plens[group]).max().clamp(min=int(always)))  # positions past its prefix a row needs
-    return rows, SharedPrefix(torch.tensor(lead), plens, group, cont)
-
-
-def _cost(units: list[tuple[torch.Tensor, int]], lens: torch.Tensor) -> int:
-    """Token positions a micro-batch of these units runs: rows x longest row, or with shared prefixes the prefixes
-    (units x longest) plus the continuations (rows x longest)."""
-    rows = torch.cat([r for r, _ in units])
-    if all(p == 0 for _, p in units):
-        return len(rows) * int(lens[rows].max())
-    shared = [p if p > 0 else int(lens[r[0]]) for r, p in units]
-    cont = max(int(lens[r].max()) - s for (r, _), s in zip(units, shared))
-    return len(units) * max(shared) + len(rows) * max(cont, 0)
-
-
-class MicroBatch(NamedTuple):
-    rows: torch.Tensor               # (m,) long, rows of the (mini-)batch
-    dummy: bool                      # only there to join the collectives: weight 0
-    shared: SharedPrefix | None      # the rows' shared prefixes, indexing into rows (None: every row whole)
-
-
-def _rank_micro_batches(lens: torch.Tensor, size: int, max_tokens: int = 0,
-                        share: tuple | None = None) -> list[MicroBatch]:
-    """This rank's micro-batches, units of rows of similar length together (sorted), so a long row pads few short
-    ones. The update does not depend on how rows are split (file docstring, point 3), so the grouping is free.
-    Rank r takes every world-th unit of the sorted order (each rank gets a similar token count). As many units as
-    fit `size` rows and, with max_tokens > 0, a computed token count (_cost) <= max_tokens (one unit at least):
-    short rows go many to a micro-batch, long ones few. share = (input_ids, mask): rows that share a prompt go
-    together and run it once (_units; a group larger than `size` is split). A rank left with fewer
-    micro-batches than the others gets `dummy` ones (the shortest row, weight 0): under FSDP each forward/backward
-    is a collective that every rank must join."""
-    units = []
-    for rows, p in _units(lens, share):
-        units += [(rows[i:i + size], p) for i in range(0, len(rows), size)]
-    key = torch.tensor([int(lens[r].max()) for r, _ in units])
-    order = torch.argsort(key, stable=True)
-    mine = [units[i] for i in order[get_rank()::get_world_size()].tolist()]
-    plan, current = [], []
-    for u in mine:
-        fits = (sum(len(r) for r, _ in current) + len(u[0]) <= size
-                and (max_tokens == 0 or _cost(current + [u], lens) <= max_tokens))
-        if current and not fits:
-            plan.append(current)
-            current = []
-        current.append(u)
-    if current:
-        plan.append(current)
-    both = share is not None and get_world_size() > 1      # FSDP: the same forwards on every rank
-    plan = [MicroBatch(rows, False, shared) for rows, shared in (_layout(us, lens, both) for us in plan)]
-    if get_world_size() > 1:
-        n = all_reduce_(torch.tensor([len(plan)]), dist.ReduceOp.MAX).item()
-        shortest = torch.argsort(lens, stable=True)[:1]
-        plan += [MicroBatch(shortest, True, _layout([(shortest, 0)], lens, both)[1])] * (n - len(plan))
-    return plan
 
 
 def _share(mask_mb: torch.Tensor, mask_all: torch.Tensor, agg_mode: str) -> float:
@@ -386,36 +281,26 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig, opt_step: int) -> d
     return {"grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(skipped)}
 
 
-def _positions(lens: torch.Tensor, shared: SharedPrefix | None) -> tuple[int, int]:
-    """(positions a micro-batch's rows need, positions it runs): row lengths up to the last trained token and
-    rows x the longest; with shared prefixes each prefix once plus the continuations (padding included in the
-    second). Their ratio is the work's padding share (perf/pad_fraction)."""
-    if shared is None:
-        return int(lens.sum()), len(lens) * int(lens.max())
-    cont = (lens - 1 - shared.lens[shared.group]).clamp(min=0)                 # (m,)
-    return int(shared.lens.sum() + cont.sum()), len(shared.lens) * int(shared.lens.max()) + len(lens) * shared.cont
-
-
 def _accumulate(state: LearnerState, cfg: LearnerConfig, mask: torch.Tensor, micro_loss, opt_step: int,
                 input_ids: torch.Tensor | None = None) -> dict:
     """Run `micro_loss(idx, L, shared) -> (weighted loss, metrics)` over this rank's micro-batches of rows (index
     tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used length; shared: its
     SharedPrefix or None), backprop each, then take optimizer step number `opt_step`. input_ids (the rows' tokens)
     with cfg.shared_prefix: rows that share a prompt run it once. Metrics come back weighted the same way as the
-    loss, summed over ranks, plus `tokens_used` and `tokens_computed` (_positions). The model and the optimizer are
+    loss, summed over ranks, plus `tokens_used` and `tokens_computed` (positions_run). The model and the optimizer are
     updated in place (they are torch objects); the caller returns the state with its step counter advanced."""
     state.model.train()
     metrics: dict[str, float] = {}
-    lens = _row_lens(mask)
+    lens = row_lens(mask)
     share = (input_ids, mask) if cfg.shared_prefix and input_ids is not None else None
-    plan = _rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, share)
+    plan = rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, share)
     used = computed = 0
     for i, (idx, dummy, shared) in enumerate(plan):
         if is_sharded(state.model):               # reduce-scatter gradients once, after the last micro-batch
             state.model.set_requires_gradient_sync(i == len(plan) - 1)
         L = int(lens[idx].max())
         if not dummy:
-            u, c = _positions(lens[idx], shared)
+            u, c = positions_run(lens[idx], shared)
             used, computed = used + u, computed + c
         loss, m = micro_loss(idx, L, shared)
         if dummy:                                 # only here to join the collectives: contributes exactly 0
@@ -564,7 +449,7 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, micro_batch_size: in
     """(B, T) values of every position, without gradients (rows split across ranks like compute_logprobs)."""
     out = torch.zeros(input_ids.shape, dtype=torch.float32)                      # (B, T)
     dev = _device(critic)
-    for idx, dummy, _ in _rank_micro_batches(torch.full((input_ids.shape[0],), input_ids.shape[1]), micro_batch_size):
+    for idx, dummy, _ in rank_micro_batches(torch.full((input_ids.shape[0],), input_ids.shape[1]), micro_batch_size):
         v = critic(input_ids[idx].to(dev)).float().cpu()                         # (m, T)
         if not dummy:
             out[idx] = v

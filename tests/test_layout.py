@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the core, bottom to top: a core file imports only core files listed before it
 CORE = ["model", "algos", "plot", "distributed", "sandbox", "sandbox_exec", "tools", "env", "chat", "agent", "rollout",
-        "learner", "config", "runs", "eval", "sft", "train"]
+        "microbatch", "learner", "config", "runs", "eval", "sft", "train"]
 WINGS = ["engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "qlora", "cluster", "chat_llama3",
          "serve", "judge", "external_agent"]
 WORLDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "env_*.py")))

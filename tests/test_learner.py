@@ -180,11 +180,11 @@ def test_token_budget_micro_batches_pack_by_length_and_keep_the_gradient():
     """learner.max_tokens_per_micro_batch packs rows (sorted by length) while rows x longest <= the budget: every
     row once, no micro-batch over budget unless it is one row, less padding than fixed rows; and the gradient is
     the one of the whole batch at once (tolerance of test_micro_batch_split_invariance: another summation order)."""
-    from learner import _rank_micro_batches, _row_lens
+    from microbatch import rank_micro_batches, row_lens
     batch = make_batch(B=8, T=12)
-    lens = _row_lens(batch.loss_mask)
+    lens = row_lens(batch.loss_mask)
     for budget in (1, 10, 24, 1000):
-        plan = _rank_micro_batches(lens, 32, budget)
+        plan = rank_micro_batches(lens, 32, budget)
         assert sorted(torch.cat([mb.rows for mb in plan]).tolist()) == list(range(8))
         for idx, _, _ in plan:
             assert len(idx) == 1 or len(idx) * int(lens[idx].max()) <= budget

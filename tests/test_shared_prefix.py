@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from learner import (LearnerConfig, TrainBatch, _rank_micro_batches, _row_lens, compute_logprobs, make_learner,
-                     train_step, truncated_score)
+from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, train_step, truncated_score
+from microbatch import rank_micro_batches, row_lens
 from model import ModelConfig, PrefixKV, SharedPrefix, init_model
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -145,8 +145,8 @@ def test_groups_are_found_from_the_ids_and_kept_whole():
     of its rows (past the prompt where samples agree), a row alone or a batch that shares nothing runs whole, and the
     positions run drop from rows x longest to about prompt + samples."""
     ids, mask = rows_of("single")
-    lens = _row_lens(mask)
-    plan = _rank_micro_batches(lens, 32, 0, (ids, mask))
+    lens = row_lens(mask)
+    plan = rank_micro_batches(lens, 32, 0, (ids, mask))
     assert len(plan) == 1
     rows, _, shared = plan[0]
     assert sorted(rows.tolist()) == list(range(13))
@@ -159,9 +159,9 @@ def test_groups_are_found_from_the_ids_and_kept_whole():
             assert int(shared.lens[g]) == lcp
             assert lcp == 6 + members[0] // 4                                # the prompt: rows 0 and 3 differ after it
     # micro_batch_size 3 splits each group of 4 into 3 + 1: no micro-batch mixes a group's rows with another's
-    for mb in _rank_micro_batches(lens, 3, 0, (ids, mask)):
+    for mb in rank_micro_batches(lens, 3, 0, (ids, mask)):
         assert len(mb.rows) <= 3
-    plain = _rank_micro_batches(_row_lens(rows_of("none")[1]), 32, 0, rows_of("none"))
+    plain = rank_micro_batches(row_lens(rows_of("none")[1]), 32, 0, rows_of("none"))
     assert all(mb.shared is None for mb in plain)
 
 
@@ -169,8 +169,8 @@ def test_prefix_kv_is_the_plain_forward(model):
     """model.shared_hidden_states: each row's hidden states equal the plain forward's at every position it is run
     for, prefixes and continuations (fp64: to 1e-12)."""
     ids, mask = rows_of("multi")
-    lens = _row_lens(mask)
-    rows, _, shared = _rank_micro_batches(lens, 32, 0, (ids, mask))[0]
+    lens = row_lens(mask)
+    rows, _, shared = rank_micro_batches(lens, 32, 0, (ids, mask))[0]
     L = int(lens.max())
     x = ids[rows, :L]
     plain = model.hidden_states(x)                                            # (B, L, H)
