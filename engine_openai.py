@@ -168,7 +168,7 @@ class OpenAIEngine:
         if self.weights_dir:
             self._reload_from_folder(state_dict, new)
         else:
-            self._push(state_dict, new)
+            self.push(state_dict, new)
         reported = self.server_version()
         if str(reported) != str(new):
             raise RuntimeError(f"the server at {self.base_url} reports weight version {reported!r} after a push of "
@@ -183,13 +183,15 @@ class OpenAIEngine:
         models = self._request("GET", self.base_url + "/models").get("data") or [{}]
         return models[0].get("weight_version")
 
-    def _push(self, state_dict: dict[str, torch.Tensor], version: int):
-        """serve.py's POST /v1/weights: the state dict as safetensors bytes (tensors, nothing that can run code on the
-        server, unlike a pickle; tied tensors sent as copies, which safetensors needs), the version in a header."""
+    def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
+        """serve.py's POST /v1/weights -> the server's answer ({"version", "tensors"}): the state dict as safetensors
+        bytes (tensors, nothing that can run code on the server, unlike a pickle; tied tensors sent as copies, which
+        safetensors needs), the version in a header, the bearer token of api_key. A remote trainer's push (the
+        version is not read back: update_weights does that)."""
         data = safetensors_save({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()})
         try:
-            self._request("POST", self.base_url + "/weights", data, {"Content-Type": "application/octet-stream",
-                                                                     "X-Weight-Version": str(version)})
+            return self._request("POST", self.base_url + "/weights", data, {"Content-Type": "application/octet-stream",
+                                                                            "X-Weight-Version": str(version)})
         except RuntimeError as e:
             if "HTTP 404" in str(e) or "HTTP 405" in str(e):
                 raise RuntimeError(f"{e}; the server at {self.base_url} takes no weight push at POST /v1/weights: "

@@ -23,7 +23,7 @@ think block, edited a message, re-ordered tools) one row per turn, each its own 
 (mask 1), counted in serve/branched. Rows hold only ids the engine saw or sampled, never re-tokenized text.
 
 Weights. In-process (colocated with the trainer), Server.update_weights(state_dict, version) is the engine's own
-update under the lock; remotely, push_weights_http sends the same to POST /v1/weights. The Server answers
+update under the lock; remotely, a trainer sends the same to POST /v1/weights (engine_openai.OpenAIEngine.push). The Server answers
 `generate` like an engine, so rollout.sync_probe (through it, or through an OpenAIEngine over HTTP) and
 rollout.logprob_gap check it after a push like any other engine. Docs: docs/serve.md.
 
@@ -40,14 +40,12 @@ import math
 import os
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
-from safetensors.torch import load as safetensors_load, save as safetensors_save
+from safetensors.torch import load as safetensors_load
 from tokenizers import Tokenizer
 
 from agent import Trajectory
@@ -655,24 +653,6 @@ def _handler(server: Server):
             self.handle_method("POST")
 
     return Handler
-
-
-def push_weights_http(base_url: str, state_dict: dict[str, torch.Tensor], token: str,
-                      version: int | None = None, timeout_s: float = 600.0) -> dict:
-    """A remote trainer's push: POST base_url/weights with the state dict as safetensors bytes -> the server's
-    answer ({"version", "tensors"}). safetensors, not torch.save: the server reads tensors and nothing else, so a
-    body cannot run code on it (a pickle can), and it is the format our checkpoints already use. Tied tensors are
-    sent as copies (safetensors refuses shared storage)."""
-    data = safetensors_save({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()})
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
-    if version is not None:
-        headers["X-Weight-Version"] = str(version)
-    request = urllib.request.Request(base_url.rstrip("/") + "/weights", data=data, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"weight push answered HTTP {e.code}: {e.read()[:500].decode(errors='replace')}") from None
 
 
 # -----------------------------------------------------------------------------

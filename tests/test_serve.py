@@ -26,7 +26,7 @@ from conftest import need
 from engine_openai import OpenAIEngine
 from model import save_model
 from rollout import SamplingParams, TorchEngine, assert_synced, logprob_gap, make_engine, row_seeds, sync_probe
-from serve import Server, push_weights_http, session_trajectories
+from serve import Server, session_trajectories
 from sft import write_tokenizer_files
 from test_agent import CalcEnv, ScriptedEngine, call_text, calc_task, three_turn_script, tok  # noqa: F401 (a fixture)
 from test_openai_engine import tiny_model
@@ -45,6 +45,11 @@ def post(url: str, path: str, body, headers: dict | None = None) -> tuple[int, d
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def push(url: str, state_dict: dict, token: str, version: int = 1) -> dict:
+    """A remote trainer's push, as train.py makes it (engine_openai.OpenAIEngine.push) -> the server's answer."""
+    return OpenAIEngine(url, MODEL, api_key=token).push(state_dict, version)
 
 
 def get(url: str, path: str, headers: dict | None = None) -> tuple[int, dict]:
@@ -356,7 +361,7 @@ def test_a_push_changes_versions_and_the_gate_checks_the_served_engine(tok, mode
         assert post(server.url, "/chat/completions", body)[0] == 200
         learner = perturbed(model)
         weights = dict(learner.named_parameters())
-        assert push_weights_http(server.url, weights, TOKEN, version=7) == {"version": 7, "tensors": len(weights)}
+        assert push(server.url, weights, TOKEN, version=7) == {"version": 7, "tensors": len(weights)}
         assert post(server.url, "/chat/completions", body)[0] == 200
         assert get(server.url, "/models")[1]["data"][0]["weight_version"] == 7
         before, after = server.capture.calls("v")
@@ -383,11 +388,11 @@ def test_a_push_changes_versions_and_the_gate_checks_the_served_engine(tok, mode
         status, reply = post(server.url, "/weights", b"not safetensors", {"Authorization": f"Bearer {TOKEN}"})
         assert status == 400 and "safetensors" in reply["error"]["message"]
         with pytest.raises(RuntimeError, match="HTTP 400.*shape mismatch"):
-            push_weights_http(server.url, bad, TOKEN)
+            push(server.url, bad, TOKEN)
         with pytest.raises(RuntimeError, match="HTTP 401"):
-            push_weights_http(server.url, back, "wrong")
+            push(server.url, back, "wrong")
         with pytest.raises(RuntimeError, match="HTTP 403"):
-            push_weights_http(stale.url, back, TOKEN)
+            push(stale.url, back, TOKEN)
         assert server.version == 8
         assert logprob_gap(model, *sync_probe(server, prompts, params)) < 1e-4
     finally:
@@ -527,7 +532,7 @@ def test_cli_serves_a_checkpoint_folder(tok, model, tmp_path):
         status, reply = post(url, "/completions", {**COMPLETE, "temperature": 0, "return_token_ids": True})
         direct = TorchEngine(model, 0).generate([COMPLETE["prompt"]], SamplingParams(temperature=0, max_tokens=4))
         assert status == 200 and reply["choices"][0]["token_ids"] == direct[0].token_ids
-        assert push_weights_http(url, dict(model.named_parameters()), TOKEN)["version"] == 1
+        assert push(url, dict(model.named_parameters()), TOKEN)["version"] == 1
     finally:
         proc.terminate()
         proc.wait(timeout=30)
