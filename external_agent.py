@@ -30,10 +30,15 @@ that raised: finish_reason "env_error", counted in rollout/failed_episodes and r
 agent raises (rollout/external_errors), runs past its timeout (rollout/external_timeouts: a `timeout_s` attribute
 on the callable, else TIMEOUT_S; the thread cannot be killed, so it is left to finish on its own, daemonic, and its
 session is closed: its later requests are refused), returns no reward (rollout/external_no_reward), made no request,
-or its session is not one trajectory (rollout/external_branched: the client rewrote its history, so the prefix
-invariant of serve.py broke, or asked for n > 1 on its last call). In this first version a branched session is
-dropped, not trained as rows per turn. Held-out evaluation plays through the same agent, and a failed episode there
-scores 0.
+or asked for n > 1 samples where it is not known which one it went on with (rollout/external_multi_sample: on its
+last call, or on any call of a branched session). Held-out evaluation plays through the same agent, and a failed
+episode there scores 0.
+
+A session whose client rewrote its history (it dropped a think block, edited an earlier message: the prefix invariant
+of serve.py broke) is not one token sequence. It trains as one row per call (agent.Trajectory.rows), each row the
+exact prompt ids the engine was given for that call (mask 0) and what it sampled (mask 1): nothing re-tokenized. Its
+rows share the episode's reward and advantage (the group baseline is over episodes, not rows; train.py), each row's
+turn numbered within the episode for algo.credit=turn; counted in rollout/external_branched.
 
 The trajectories are serve.session_trajectories' rows: exactly the ids the engine was given and sampled, with its
 log-probs, kept-set sizes and weight versions, so group advantages, turn credit and the off-policy corrections work
@@ -47,7 +52,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agent import AgentConfig, Trajectory, finish_episodes
 from env import Env, Task, mix_seed
@@ -216,8 +221,8 @@ def failed(task: Task, group: int, sample: int, error: str) -> Trajectory:
 
 def episode(calls: list, outcome: Outcome, env: Env, task: Task, group: int, sample: int, session: str
             ) -> tuple[Trajectory, str]:
-    """One episode's session and what its callable gave -> (its trajectory, its kind: ok | error | timeout |
-    no_reward | branched)."""
+    """One episode's session and what its callable gave -> (its trajectory, its kind: ok | branched (trained as rows
+    per turn) | error | timeout | no_reward | multi_sample)."""
     if outcome.timed_out:
         return failed(task, group, sample, f"the agent ran past its timeout (session {session})"), "timeout"
     if outcome.error is not None:
@@ -225,19 +230,25 @@ def episode(calls: list, outcome: Outcome, env: Env, task: Task, group: int, sam
     if not calls:
         return failed(task, group, sample, f"the agent made no request in session {session}"), "error"
     rows, metrics = session_trajectories(calls, session)
-    if metrics["serve/branched"] or len(rows) != 1:
-        return failed(task, group, sample, f"session {session} is not one trajectory ({len(rows)} rows: the client "
-                                           "rewrote its history, or asked for n > 1 on its last call)"), "branched"
-    graded = grade(outcome.result, env, task, rows[0].num_turns)
+    branched = bool(metrics["serve/branched"])
+    if len(rows) != (len(calls) if branched else 1):
+        return failed(task, group, sample, f"session {session} asked for n > 1 samples on "
+                                           f"{'a' if branched else 'its last'} call: which one the agent went on "
+                                           "with, and so what its reward is the outcome of, is not known"), "multi_sample"
+    graded = grade(outcome.result, env, task, len(calls))
     if graded is None:
         return failed(task, group, sample, f"the agent returned no reward: {outcome.result!r:.200}"), "no_reward"
-    traj = rows[0]
-    traj.task, traj.group, traj.sample = task, group, sample
+    for row in rows:
+        row.task, row.group, row.sample = task, group, sample
+    traj = rows[-1]                                    # the episode: its last row, with the episode's counts
+    if branched:                                       # trained as one row per turn (agent.Trajectory.rows)
+        traj = replace(traj, rows=rows, num_turns=len(calls), num_tool_calls=sum(r.num_tool_calls for r in rows),
+                       parse_failures=sum(r.parse_failures for r in rows))
     traj.reward, traj.turn_rewards, traj.info = graded
     traj.done, traj.finish_reason = True, "done"       # the agent ended the episode
-    used = [c.samples[n.parent] for c, n in zip(calls, calls[1:])] + [calls[-1].samples[0]]
+    used = [c.samples[n.parent or 0] for c, n in zip(calls, calls[1:])] + [calls[-1].samples[0]]
     traj.truncated_turns = sum(s.finish_reason == "length" for s in used)   # turns cut at max_tokens
-    return traj, "ok"
+    return traj, "branched" if branched else "ok"
 
 
 # -----------------------------------------------------------------------------
@@ -274,7 +285,8 @@ class ExternalRollouts:
             trajs.append(traj)
             kinds.append(kind)
         finish_episodes(self.envs, trajs, judge_weight, self.judge)    # judge_weight > 0: the judge's score added
-        counted = {"error": "errors", "timeout": "timeouts", "no_reward": "no_reward", "branched": "branched"}
+        counted = {"error": "errors", "timeout": "timeouts", "no_reward": "no_reward", "branched": "branched",
+                   "multi_sample": "multi_sample"}
         return trajs, {f"rollout/external_{name}": float(kinds.count(kind)) for kind, name in counted.items()}
 
     def generate(self, prompts: list[list[int]], params) -> list:

@@ -20,7 +20,9 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
 
 Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
 episode (a multi-turn episode is one "response" with the observations masked out; algo.credit=turn credits
-each turn with its own return instead); batches without signal are skipped, not stepped with a zero gradient.
+each turn with its own return instead; an episode whose history a client rewrote between turns trains as several
+rows, each given its episode's advantage: agent.RolloutBatch.episode_rows); batches without signal are skipped, not
+stepped with a zero gradient.
 
 Who does what: a rollout source plays the episodes (agent.LocalRollouts), a schedule says when each step's batch is
 sampled and when weights are pushed (SyncSchedule). Wings answer the same calls, reached by name (rollout.wing) when
@@ -29,7 +31,8 @@ judge.LLMJudge, external_agent.ExternalRollouts. Under torchrun every rank runs 
 evaluates, logs and writes, every rank takes its share of the update.
 Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
 
-Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B episodes, T tokens, G group size.
+Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B rows (episodes), T tokens, G group
+size.
 """
 import argparse
 import copy
@@ -139,6 +142,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     (pi_old), the reference policy's (for the KL, in the reward or in the loss) and the teacher's (distillation)."""
     lc, G, mask, metrics = cfg.learner, cfg.rollout.agent.n_samples, batch.loss_mask, {}
     rewards = batch.rewards.clone()                                                # (B,)
+    episode, last = batch.episode_rows()                       # (B,) each row's episode, (E,) each episode's last row
     if batch.length_cut is not None:                                               # keep, mask or penalize the
         rewards, mask = algos.truncation_treatment(rewards, mask, batch.length_cut,   # episodes a length limit cut
                                                    cfg.algo.truncation, cfg.algo.truncation_penalty)
@@ -180,8 +184,9 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         values = ValueBatch(batch.input_ids, mask, old_values, returns)
         informative = True
     elif cfg.algo.advantage.startswith("reinforce_pp"):                            # REINFORCE++: KL per token
-        G = G if cfg.algo.advantage == "reinforce_pp_baseline" else None           # baseline: the group mean
-        adv = algos.reinforce_pp_advantages(rewards, token_kl, mask, lc.kl_coef, cfg.algo.gamma, G)  # (B, T)
+        if cfg.algo.advantage == "reinforce_pp_baseline":                         # baseline: the group mean
+            rewards = algos.group_advantages(rewards[last], G, "drgrpo")[episode]   # (B,) R - group mean
+        adv = algos.reinforce_pp_advantages(rewards, token_kl, mask, lc.kl_coef, cfg.algo.gamma)  # (B, T)
         informative = bool((adv != 0).any())                                       # whitened over the batch
     elif cfg.algo.advantage == "none":                                             # the teacher's term alone
         adv, informative = torch.zeros_like(mask), False                           # (B, T)
@@ -192,8 +197,8 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
             adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma, cfg.algo.turn_baseline)   # (B, T)
             informative = bool((adv != 0).any())
         else:
-            adv = algos.group_advantages(rewards, G, cfg.algo.advantage)[:, None] * mask  # (B, T)
-            informative = bool(algos.dynamic_sampling_mask(batch.rewards, G).any())
+            adv = algos.group_advantages(rewards[last], G, cfg.algo.advantage)[episode][:, None] * mask  # (B, T)
+            informative = bool(algos.dynamic_sampling_mask(batch.rewards[last], G).any())
     if teacher is not None:                                                        # on-policy distillation
         teacher_logp = compute_logprobs(teacher, batch.input_ids, lc.micro_batch_size, lc.temperature,
                                         lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
@@ -210,12 +215,14 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
 def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float, baseline: str) -> torch.Tensor:
     """algo.credit=turn: each assistant turn's advantage (algos.turn_advantages, its baseline per turn position or per
     state as algo.turn_baseline says), given to that turn's sampled tokens -> (B, T). What `rewards` (B,) adds to the
-    env's (the overlong penalty, a KL in the reward) is counted on the episode's last turn, where it was earned."""
-    turn_rewards, turn_mask = batch.turn_rewards.clone(), batch.turn_mask                  # (B, K)
-    last = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)                # (B,) last turn taken
-    turn_rewards[torch.arange(len(rewards)), last] += rewards - batch.rewards
-    adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline, batch.turn_states)   # (B, K)
-    return algos.broadcast_turns(adv, batch.turn_index)                                   # (B, T)
+    env's (the overlong penalty, a KL in the reward) is counted on the episode's last turn, where it was earned.
+    Episodes are read from their last rows, turns numbered within the episode (RolloutBatch.episode_rows)."""
+    episode, last_row = batch.episode_rows()                                              # (B,), (E,)
+    turn_rewards, turn_mask = batch.turn_rewards[last_row].clone(), batch.turn_mask[last_row]   # (E, K)
+    last = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)                # (E,) last turn taken
+    turn_rewards[torch.arange(len(last_row)), last] += (rewards - batch.rewards)[last_row]
+    adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline, batch.turn_states[last_row])   # (E, K)
+    return algos.broadcast_turns(adv[episode], batch.turn_index)                          # (B, T)
 
 
 # -----------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def test_each_episode_is_the_engines_own_sample_under_its_sessions_seed(tok, eng
         rollouts.shutdown()
     assert [(t.group, t.sample) for t in trajs] == [(g, s) for g in range(2) for s in range(2)]   # group-major
     assert metrics == {"rollout/external_errors": 0.0, "rollout/external_timeouts": 0.0,
-                       "rollout/external_no_reward": 0.0, "rollout/external_branched": 0.0}
+                       "rollout/external_no_reward": 0.0, "rollout/external_branched": 0.0,
+                       "rollout/external_multi_sample": 0.0}
     im_end = tok.token_to_id("<|im_end|>")
     for t in trajs:
         assert t.task == tasks[t.group] and t.reward == 0.5 and t.finish_reason == "done" and t.turn_rewards == [0.5]
@@ -147,7 +148,8 @@ def test_failed_episodes_are_counted_and_marked_for_dropping(tok, engine):
 
     def agent(task, base_url, session):
         g, s = map(int, session.split("/")[1:])
-        kind = ["ok", "raise", "none", "nan", "hang", "silent", "branch", "temperature", "no_session", "ok"][g]
+        kind = ["ok", "raise", "none", "nan", "hang", "silent", "branch", "temperature", "no_session", "multi",
+                "ok"][g]
         if kind == "raise":
             raise KeyError("the agent's own bug")
         if kind == "hang":                             # past its timeout; a later request is refused
@@ -160,13 +162,16 @@ def test_failed_episodes_are_counted_and_marked_for_dropping(tok, engine):
             ask(base_url, task, session, temperature=0.2)
         if kind == "no_session":
             ask(base_url, task, None)
+        if kind == "multi":                            # which of the two samples it went on with is not known
+            ask(base_url, task, session, n=2)
+            return 1.0
         ask(base_url, task, session, max_tokens=1000)  # capped at the run's 12
-        if kind == "branch":                           # the history rewritten: the prefix invariant breaks
+        if kind == "branch":                           # the history rewritten: trained as one row per request
             ask(base_url, {"prompt": task["prompt"] + " Again."}, session)
         return {"none": None, "nan": math.nan}.get(kind, 1.0)
     agent.timeout_s = 3.0
     envs = {"toy_math": make_env("toy_math")}
-    tasks = envs["toy_math"].sample_tasks("train", 10, 1)
+    tasks = envs["toy_math"].sample_tasks("train", 11, 1)
     rollouts = rollouts_for(agent, engine, tok, envs)
     try:
         trajs, metrics = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=12), seed=3,
@@ -178,17 +183,19 @@ def test_failed_episodes_are_counted_and_marked_for_dropping(tok, engine):
             time.sleep(0.05)
     finally:
         rollouts.shutdown()
-    assert [t.finish_reason for t in trajs] == ["done"] + ["env_error"] * 8 + ["done"]
+    assert [t.finish_reason for t in trajs] == ["done"] + ["env_error"] * 5 + ["done"] + ["env_error"] * 3 + ["done"]
     assert metrics == {"rollout/external_errors": 4.0,     # raise, silent, wrong temperature, no session
                        "rollout/external_timeouts": 1.0, "rollout/external_no_reward": 2.0,
-                       "rollout/external_branched": 1.0}
-    errors = [t.info["error"] for t in trajs[1:9]]
+                       "rollout/external_branched": 1.0, "rollout/external_multi_sample": 1.0}
+    failures = trajs[1:6] + trajs[7:10]
+    errors = [t.info["error"] for t in failures]
     assert "KeyError" in errors[0] and "no reward" in errors[1] and "timeout" in errors[3]
-    assert "no request" in errors[4] and "not one trajectory" in errors[5]
-    assert "temperature=0.2" in errors[6] and "session None" in errors[7]
-    assert all(t.token_ids == [] and t.env_errors == 1 for t in trajs[1:9])
+    assert "no request" in errors[4] and "temperature=0.2" in errors[5] and "session None" in errors[6]
+    assert "n > 1 samples on its last call" in errors[7]
+    assert all(t.token_ids == [] and t.env_errors == 1 for t in failures)
+    assert [len(t.rows) for t in trajs] == [0] * 6 + [2] + [0] * 4     # the branched one: a row per request
     assert late == {"3/4/0": 400}                      # its session was closed at the timeout
-    assert all(sum(t.loss_mask) <= 12 for t in trajs)  # max_tokens=1000 asked, the run's 12 given
+    assert all(sum(r.loss_mask) <= 12 for t in trajs for r in t.rows or [t])   # 1000 asked, the run's 12 given
 
 
 def test_collect_rollouts_drops_the_group_of_a_failed_episode_and_refills_it(tok, engine):
@@ -210,6 +217,47 @@ def test_collect_rollouts_drops_the_group_of_a_failed_episode_and_refills_it(tok
     assert [t.reward for t in trajs] == [0.0, 1.0, 0.0, 1.0]
     assert metrics["rollout/rounds"] == 2 and metrics["rollout/failed_episodes"] == 2
     assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/external_errors"] == 1.0
+
+
+def test_a_branched_session_trains_as_one_row_per_request_each_the_engines_own(tok, engine):
+    """A client that rewrites its history (here it drops the reply and asks afresh) is not one token sequence: the
+    episode trains as one row per request, each row exactly the prompt ids the engine was given and what it sampled
+    (never re-tokenized), and every row gets its episode's group advantage (the baseline over episodes)."""
+    from agent import to_batch
+    from train import compute_advantages
+
+    def agent(task, base_url, session):
+        ask(base_url, task, session)
+        ask(base_url, {"prompt": "Once more: " + task["prompt"]}, session)
+        return float(session.endswith("/1"))           # sample 1 of each group scores 1
+    envs = {"toy_math": make_env("toy_math")}
+    tasks = envs["toy_math"].sample_tasks("train", 2, 0)
+    rollouts = rollouts_for(agent, engine, tok, envs)
+    try:
+        trajs, metrics = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=12), seed=7,
+                                       agent=AgentConfig(n_samples=2))
+    finally:
+        rollouts.shutdown()
+    assert metrics["rollout/external_branched"] == 4.0 and metrics["rollout/external_errors"] == 0.0
+    im_end = tok.token_to_id("<|im_end|>")
+    for t in trajs:
+        assert t.finish_reason == "done" and len(t.rows) == 2 and t.num_turns == 2 and t.token_ids == t.rows[1].token_ids
+        assert "Once more:" in tok.decode(t.rows[1].token_ids[:t.rows[1].prompt_len])
+        for k, row in enumerate(t.rows):
+            direct = engine.generate([row.token_ids[:row.prompt_len]], SamplingParams(
+                temperature=1.0, max_tokens=12, stop_token_ids=(im_end,),
+                seed=mix_seed(mix_seed(7, t.group, t.sample), k)))[0]
+            assert row.token_ids[row.prompt_len:] == direct.token_ids and row.logprobs[row.prompt_len:] == \
+                direct.logprobs
+            assert row.loss_mask == [0] * row.prompt_len + [1] * len(direct.token_ids)
+    cfg = load_config(None, ["rollout.agent.n_samples=2"])
+    batch = to_batch(trajs, pad_id=0)
+    train_batch, _, _, informative = compute_advantages(cfg, batch, None, None)
+    assert informative and batch.episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    for row in range(8):                               # GRPO over the group's two episodes: -+ 1/sqrt(2)
+        sign = 1.0 if batch.episode[row] % 2 else -1.0
+        adv = train_batch.advantages[row][batch.loss_mask[row].bool()]
+        assert adv.numel() > 0 and torch.allclose(adv, torch.full_like(adv, sign * 2 ** -0.5), atol=1e-5)
 
 
 def test_run_callables_bounds_concurrency_and_times_out_each_call_from_its_own_start():
@@ -316,6 +364,28 @@ def test_train_main_with_the_example_agent(tiny):
     episodes = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "episodes_step2.jsonl"))]
     assert len(episodes) == 4
     assert os.path.exists(os.path.join(summary["run_dir"], "final", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_train_main_trains_an_agent_that_rewrites_its_history(tiny, tmp_path):
+    """train.main with an agent whose every session branches (it asks afresh each time): every episode is trained,
+    as rows, none dropped, and the update and the gate run."""
+    from train import main
+    (tmp_path / "rewriter.py").write_text(
+        "import json, urllib.request\n"
+        "def ask(url, session, text):\n"
+        "    body = {'model': 'm', 'user': session, 'messages': [{'role': 'user', 'content': text}]}\n"
+        "    r = urllib.request.urlopen(urllib.request.Request(url + '/chat/completions', json.dumps(body).encode(),\n"
+        "                               {'Content-Type': 'application/json'}))\n"
+        "    return json.loads(r.read())['choices'][0]['message']['content'] or ''\n"
+        "def run(task, base_url, session):\n"
+        "    first = ask(base_url, session, task['prompt'])\n"
+        "    return ask(base_url, session, 'Check this: ' + first[:40] + ' ' + task['prompt'])\n")
+    cfg = tiny("steps=1", "eval_every=100", "run_name=rewriter", f"rollout.external_agent={tmp_path}/rewriter.py:run")
+    summary = main(cfg)
+    line = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))][-1]
+    assert line["rollout/external_branched"] == 16 and line["rollout/dropped_groups"] == 0
+    assert line["rollout/num_turns"] == 2 and line["train/updates"] >= 1 and line["sync/logprob_abs_diff"] < 1e-3
 
 
 @pytest.fixture

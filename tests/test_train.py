@@ -216,6 +216,61 @@ def test_turn_credit_state_baseline_matches_states_across_positions():
                                torch.tensor([[0.0, 1.0], [0.0, -1.0]]))
 
 
+def episode_rows_case():
+    """G = 2, two groups. Episode 0 is one row with two turns (prompt 2 tokens, turn 0 = 2 tokens, an observation,
+    turn 1 = 1 token); as rows it is its two requests, each row its own prompt then its turn's tokens. Episodes 1-3
+    are one row of one turn. -> (the one-row trajectories, the same with episode 0 as rows)."""
+    from agent import Trajectory
+    from env import Task
+
+    def traj(ids, mask, reward, turn_rewards, starts, rows=()):
+        return Trajectory(task=Task(env="toy_math", id="t", prompt="", answer=""), group=0, sample=0, token_ids=ids,
+                          loss_mask=mask, logprobs=[-0.5 * m for m in mask], prompt_len=2, messages=[], reward=reward,
+                          turn_rewards=turn_rewards, turn_starts=starts, rows=list(rows))
+    whole = traj([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1], 1.0, [0.25, 0.75], [2, 5])
+    row_a = traj([1, 2, 3, 4], [0, 0, 1, 1], 0.0, [], [2])
+    row_b = traj([1, 9, 9, 3, 4, 5, 6], [0, 0, 0, 0, 0, 0, 1], 0.0, [], [6])   # history rewritten by the client
+    split = traj(row_b.token_ids, row_b.loss_mask, 1.0, [0.25, 0.75], [6], rows=[row_a, row_b])
+    others = [traj([1, 2, 7], [0, 0, 1], r, [r], [2]) for r in (0.0, 1.0, 1.0)]
+    return [whole, *others], [split, *others]
+
+
+def test_to_batch_gives_every_row_its_episode_and_numbers_turns_within_it():
+    from agent import to_batch
+    _, trajs = episode_rows_case()
+    batch = to_batch(trajs, pad_id=0)
+    assert batch.input_ids.shape == (5, 7) and batch.lengths.tolist() == [4, 7, 3, 3, 3]
+    assert batch.episode.tolist() == [0, 0, 1, 2, 3]
+    episode, last = batch.episode_rows()
+    assert episode.tolist() == [0, 0, 1, 2, 3] and last.tolist() == [1, 2, 3, 4]
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]                    # the episode's, on each row
+    assert batch.turn_rewards[:2].tolist() == [[0.25, 0.75]] * 2 and batch.turn_mask[:2].tolist() == [[1, 1]] * 2
+    assert batch.turn_index[0].tolist() == [-1, -1, 0, 0, -1, -1, -1]             # row 0: the episode's turn 0
+    assert batch.turn_index[1].tolist() == [-1] * 6 + [1]                         # row 1: its turn 1
+    assert to_batch(episode_rows_case()[0], pad_id=0).episode.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("credit", ["episode", "turn"])
+def test_an_episode_as_rows_gets_the_advantages_it_gets_as_one_row(tiny, credit):
+    """The group baseline is over episodes: episode 0 split into two rows counts once in its group, and each sampled
+    token of each row gets the advantage the same token gets when the episode is one row (GRPO, and turn credit)."""
+    from agent import to_batch
+    from train import compute_advantages
+    cfg = tiny("rollout.agent.n_samples=2", f"algo.credit={credit}", "algo.advantage=rloo" if credit == "turn" else
+               "algo.advantage=grpo")
+    whole, split = (to_batch(t, pad_id=0) for t in episode_rows_case())
+    (a, _, _, informative_a), (b, _, _, informative_b) = (compute_advantages(cfg, x, None, None)
+                                                          for x in (whole, split))
+    assert informative_a and informative_b
+    sampled = lambda adv, mask: adv[mask.bool()].tolist()                         # noqa: E731
+    assert sampled(b.advantages[:2], b.loss_mask[:2]) == sampled(a.advantages[:1], a.loss_mask[:1])
+    assert torch.equal(b.advantages[2:, :6], a.advantages[1:]) and not b.advantages[2:, 6:].any()
+    assert bool((a.advantages[0] != 0).any())
+    if credit == "episode":                                                       # GRPO over the 4 episodes
+        expected = algos.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "grpo")
+        assert sampled(b.advantages[:2], b.loss_mask[:2]) == [float(expected[0])] * 3
+
+
 @pytest.mark.slow
 def test_on_policy_distillation(tiny):
     """algo.teacher_path: a teacher (here a run's final policy, moved away from the start by one step of a strong
