@@ -367,18 +367,22 @@ def assert_synced(worst: float, max_diff: float, n: int) -> float:
 @torch.no_grad()
 def logprob_gap(model: Transformer, prompts: list[list[int]], gens: list[Generation], temperature: float) -> float:
     """Max |gen.logprobs - the model's log-probs of the same tokens| over all generations (prompts[i] is gen i's
-    prompt), scored with model.token_logprobs at `temperature` (T = 1 when greedy, as engines report).
+    prompt), scored with model.token_logprobs at `temperature` (T = 1 when greedy, as engines report): one forward
+    over all of them, right-padded, the head run on the generated tokens only (the mask).
     Only the model's forward: under torchrun every rank can run it on a sharded learner."""
     T = temperature if temperature > 0 else 1.0
     device = next(model.parameters()).device
-    diffs = [torch.zeros(())]
+    rows = [(list(p) + list(g.token_ids), len(p), g.logprobs) for p, g in zip(prompts, gens) if g.token_ids]
+    if not rows:
+        return 0.0
+    ids = torch.zeros(len(rows), max(len(r) for r, _, _ in rows), dtype=torch.long)    # (R, T) right-padded
+    mask = torch.zeros(ids.shape)                                                       # (R, T) the generated tokens
+    for i, (row, P, _) in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, P:len(row)] = 1.0
     training = model.training
     model.eval()                                              # no (LoRA) dropout while scoring
-    for prompt, gen in zip(prompts, gens):
-        if not gen.token_ids:
-            continue
-        ids = torch.tensor([list(prompt) + list(gen.token_ids)], device=device)              # (1, P + N)
-        learner = model.token_logprobs(ids, temperature=T)[0, len(prompt):].float().cpu()    # (N,)
-        diffs.append((learner - torch.tensor(gen.logprobs)).abs().max())
+    learner = model.token_logprobs(ids.to(device), temperature=T, mask=mask.to(device)).float().cpu()   # (R, T)
     model.train(training)
+    diffs = [(learner[i, P:len(row)] - torch.tensor(engine)).abs().max() for i, (row, P, engine) in enumerate(rows)]
     return float(torch.stack(diffs).max())                    # torch's max keeps a NaN, Python's may not

@@ -1,6 +1,8 @@
 """Tests for rollout.py's TorchEngine: greedy decoding against a naive full-forward loop, log-probs against the
 learner's Transformer.token_logprobs, seeding, ordering, stop/length handling, top-p, and weight updates.
 """
+import math
+
 import pytest
 import torch
 
@@ -246,6 +248,28 @@ def check_weight_sync(engine, model, prompts, params, max_diff: float) -> float:
     scores, assert_synced decides."""
     prompts, gens, temperature = sync_probe(engine, prompts, params)
     return assert_synced(logprob_gap(model, prompts, gens, temperature), max_diff, len(gens))
+
+
+def test_logprob_gap_scores_all_probes_in_one_padded_forward_as_one_at_a_time():
+    """logprob_gap runs every probe in one right-padded forward with the head on the generated tokens only: the gap it
+    finds is, probe by probe, the one a forward of that probe alone gives (to the fp32 it reports in; prompts of
+    different lengths); an empty generation is skipped, a NaN anywhere is kept."""
+    from rollout import Generation
+    model = tiny_model(0).double()
+    prompts = [[5, 9, 11, 3], [7], [2, 4, 6, 8, 10, 12, 14], [3, 3]]
+    gens = []
+    for i, p in enumerate(prompts):
+        ids = [(17 * i + j) % 60 + 1 for j in range(3 + i)]
+        alone = model.token_logprobs(torch.tensor([p + ids]))[0, len(p):].tolist()
+        gens.append(Generation(token_ids=ids, logprobs=[x + 1e-3 * (i + 1) * (j % 2) for j, x in enumerate(alone)],
+                               finish_reason="length"))
+    assert logprob_gap(model, prompts, gens, 1.0) == pytest.approx(4e-3, abs=1e-6)       # probe 3's offset
+    assert logprob_gap(model, prompts[:1], gens[:1], 1.0) == pytest.approx(1e-3, abs=1e-6)
+    empty = Generation(token_ids=[], logprobs=[], finish_reason="length")
+    assert logprob_gap(model, [prompts[0], [1]], [gens[0], empty], 1.0) == pytest.approx(1e-3, abs=1e-6)
+    assert logprob_gap(model, [[1]], [empty], 1.0) == 0.0
+    nan = Generation(token_ids=[1, 2], logprobs=[0.0, float("nan")], finish_reason="length")
+    assert math.isnan(logprob_gap(model, prompts[:2], [gens[0], nan], 1.0))
 
 
 def test_sync_gate_on_the_torch_engine():
