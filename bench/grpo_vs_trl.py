@@ -1,16 +1,17 @@
 """bench/grpo_vs_trl.py: the whole GRPO step of train.py vs TRL's GRPOTrainer on the same work, side by side.
 
-    .venv/bin/python bench/grpo_vs_trl.py --trl-python /path/to/venv/bin/python [--sizes default,10m,10m-long]
-        [--sides ours,trl,ours-bf16,trl-bf16,ours-plain] [--threads 1]
-        [--prompts 8 --group 8 --max-tokens 64 --steps 10 --pairs 3]
+    .venv/bin/python bench/grpo_vs_trl.py --trl-python /path/to/venv/bin/python
+        [--sizes default,10m,10m-long,multiturn] [--sides ours,trl,ours-bf16,trl-bf16,ours-plain] [--threads 1]
+        [--prompts 8 --group 8 --max-tokens 64 --steps 10 --pairs 3] [--turns 3]
 
 Same model folder, same prompts (token for token), same P prompts x G samples x up to M new tokens, one optimizer
 step per RL step, fp32, the same thread count, 10 steps per run. Each run is its own process (so start-up, peak RSS
 and threads are its own), run interleaved A B A B: a warm-up pair (not counted; --warmup-pairs), then `pairs` timed
 pairs.
 
-  ours  train.main on toy_math, single turn (rollout.agent.max_turns=1), the in-process torch engine, no eval but
-        one held-out task at step 0 and at the end, no wandb, the final checkpoint only (after the timed steps).
+  ours  train.main on toy_math, single turn (rollout.agent.max_turns=1; `multiturn` below: K turns), the in-process
+        torch engine, no eval but one held-out task at step 0 and at the end, no wandb, the final checkpoint only
+        (after the timed steps).
         Loss: learner.policy_loss=ppo (clip 0.2), token-mean over the batch; advantage (r - mean_g) / (std_g + 1e-6);
         on-policy, so no old-log-prob pass (perf/old_logprob_pass = 0); algo.skip_uniform_batches=false (TRL
         updates on an all-zero-advantage batch too, and a random model's rewards are all 0); the weight-sync gate
@@ -51,6 +52,35 @@ model, its prompts opening with a long system prompt, LONG_SYSTEM: the tool and 
 prompt carries; both sides get the toy_math tasks through the `dataset` env, rendered the same way).
 A random model rarely samples <|im_end|>, so its episodes run to M tokens, and its rewards are all 0.
 
+`multiturn` (the default model, toy_math, the prompts of `default`): episodes of up to K assistant turns (--turns,
+3) with toy_math's own tools, python_eval and finish. The budget of an episode after its prompt is
+C = K x M + (K - 1) x TOOL_RESULT_TOKENS (sampled tokens and tool results together).
+  ours  as above, with rollout.agent.max_turns=K, rollout.max_tokens=M per turn and the context window
+        agent.max_total_tokens = the longest prompt + C + 1. The env ends an episode at a finish call (its
+        answer graded) or at a message without tool calls (its last number graded); a python_eval result comes back
+        as "\n<|im_start|>user\n<tool_response>\n<text>\n</tool_response><|im_end|>\n<|im_start|>assistant\n".
+  trl   GRPOTrainer with tools=[python_eval, finish], conversational prompts (the env's system and user messages),
+        max_tool_calling_iterations=K - 1 (K generation rounds), max_completion_length=C. Our env does the work:
+        the TRL child imports env.py and chat.py from the repo (standard library only) once TRL is loaded.
+        python_eval returns our env's run_tool text for the same call (the same sandbox); finish returns "".
+        The reward steps each episode's assistant messages through our env's step until it would have ended the
+        episode (env_tools), so both sides are graded by the same code. The folder's chat template is not TRL's
+        qwen2.5 template byte for byte (TRL recognises templates by equality, to parse <tool_call> blocks), so the
+        TRL side sets TRL's own qwen2_5 template, and renders each tool function as our env's schema of that name
+        (transformers would write one from the docstring, with a description per argument that ours has not).
+        The child checks that every prompt it renders has our ids, and that a tool result's ids (TRL's
+        _get_tool_suffix_ids) equal our agent's (chat.render_continuation, encoded).
+  Where the loops differ (the work table shows what each episode did, per side):
+  - Ending: TRL ends an episode only at a turn without tool calls (or after K rounds). After a finish call it
+    renders finish's empty result and samples another turn, which ours never does; the reward ignores those turns.
+  - Length: ours caps each turn at M tokens and the episode at C; TRL caps only the episode at C (a turn may
+    sample up to C tokens, cut afterwards to fit), and drops a tool result that would not fit, ending the episode.
+  - Parsing: ours repairs malformed tool-call JSON and reports the problem as an observation; TRL's parser reads
+    a turn it cannot parse as plain text, which ends the episode (graded as a text answer).
+  - Sampling time: ours perf/rollout_seconds (the agent loop: every turn, the tools, the env); TRL the time in
+    its _generate (every generation round, the tool calls, parsing and re-tokenizing between them), not the time
+    in model.generate alone as in the single-turn sizes (kept in the child's JSON as generate_s).
+
 TRL goes in a scratch venv outside the repo (the versions measured; torch first, so that nothing pulls a CUDA build,
 and a dry run must not list torch among what it would install):
     python3.11 -m venv /tmp/trl/venv && /tmp/trl/venv/bin/pip install torch==2.13.0
@@ -74,7 +104,10 @@ sys.path.insert(0, ROOT)
 
 SHAPE_10M = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
                  intermediate_size=1056, head_dim=64, tie_word_embeddings=False)
-SHAPES = {"default": {}, "10m": SHAPE_10M, "10m-long": SHAPE_10M}   # ModelConfig fields over the default model's
+SHAPES = {"default": {}, "10m": SHAPE_10M, "10m-long": SHAPE_10M,   # ModelConfig fields over the default model's
+          "multiturn": {}}
+TOOL_RESULT_TOKENS = 32         # multiturn: a tool result's share of an episode's budget (its turn boundaries
+                                # take 16 tokens; a number ~1-4 more)
 LONG_SYSTEM = " ".join([                                            # 10m-long's system prompt
     "You are a careful assistant that solves arithmetic problems with tools.",
     "Read the problem twice. Work out each intermediate quantity before the final one.",
@@ -146,8 +179,8 @@ def env_config(size: str, work: str, seed: int) -> str:
 
 def write_prompts(folder: str, path: str, seed: int, envs: str) -> float:
     """TRL's train file: the train tasks of our side's env (envs: env_config's file) rendered exactly as
-    agent.init_episodes renders them, with our token ids (the TRL child checks its own against them) -> their mean
-    length in tokens."""
+    agent.init_episodes renders them, with our token ids (the TRL child checks its own against them) and the
+    messages they render (the multi-turn TRL side's conversational prompts) -> their mean length in tokens."""
     from tokenizers import Tokenizer
 
     from chat import encode, render
@@ -162,7 +195,7 @@ def write_prompts(folder: str, path: str, seed: int, envs: str) -> float:
             text = render(msgs, env.tools(), add_generation_prompt=True, chat_format="qwen2.5")
             ids = encode(tok, text)
             lengths.append(len(ids))
-            f.write(json.dumps({"prompt": text, "answer": task.answer, "ids": ids}) + "\n")
+            f.write(json.dumps({"prompt": text, "answer": task.answer, "ids": ids, "messages": msgs}) + "\n")
     return sum(lengths) / len(lengths)
 
 
@@ -183,26 +216,37 @@ def run_child(cmd: list[str], threads: int, log_path: str, extra_env: dict | Non
     return {**out, "peak_rss_gib": usage.ru_maxrss / 2 ** 20}           # Linux: KiB
 
 
+def episode_budget(turns: int, max_tokens: int) -> int:
+    """The tokens an episode may add after its prompt: M for one turn; K x M + (K - 1) x TOOL_RESULT_TOKENS for K."""
+    return turns * max_tokens + (turns - 1) * TOOL_RESULT_TOKENS
+
+
+WORK = ("turns", "tool_calls", "ended", "after_end", "reward")  # per episode, what a multi-turn child records per step
+
+
 def summarize(run: dict) -> dict:
     """One run -> its medians over the steps (seconds per step, sampling, update, the rest: ours the weight-sync
-    gate and logging, TRL none, its update being all but sampling) and its start-up, peak RSS and sampled tokens."""
+    gate and logging, TRL none, its update being all but sampling) and its start-up, peak RSS and sampled tokens;
+    and the means over the steps of the WORK a run records."""
     med = statistics.median
     return {"step": med(run["step_s"]), "sample": med(run["sample_s"]), "update": med(run["update_s"]),
             "other": med(s - a - b for s, a, b in zip(run["step_s"], run["sample_s"], run["update_s"])),
             "not_sample": med(s - a for s, a in zip(run["step_s"], run["sample_s"])),
-            "startup": run["startup_s"], "rss": run["peak_rss_gib"], "tokens": statistics.mean(run["new_tokens"])}
+            "startup": run["startup_s"], "rss": run["peak_rss_gib"], "tokens": statistics.mean(run["new_tokens"]),
+            **{k: statistics.mean(run[k]) for k in WORK if k in run}}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trl-python", help="the python of a venv with trl installed (required unless --sides ours)")
-    ap.add_argument("--sizes", default="default,10m", help="comma-separated: default, 10m")
+    ap.add_argument("--sizes", default="default,10m", help="comma-separated: default, 10m, 10m-long, multiturn")
     ap.add_argument("--sides", default="ours,trl", help="ours,trl; or ours alone (a check that needs no TRL)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8, help="P: prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G: samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=64, help="M: new tokens per sample at most")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--turns", type=int, default=3, help="K: assistant turns per episode at most (multiturn only)")
     ap.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward on both sides (0: P x G)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--pairs", type=int, default=3, help="timed interleaved pairs, after the warm-up pairs")
@@ -231,6 +275,10 @@ def main():
     micro = args.micro_batch or PG
     if PG % micro:
         ap.error(f"--micro-batch {micro} must divide P x G = {PG}")
+    if any(size not in SHAPES for size in args.sizes.split(",")):
+        ap.error(f"--sizes: each of {list(SHAPES)}")
+    if args.turns < 2:
+        ap.error("--turns must be at least 2 (the single-turn sizes are the others)")
 
     work = args.keep or tempfile.mkdtemp(prefix="grpo_vs_trl_")
     os.makedirs(work, exist_ok=True)
@@ -246,8 +294,9 @@ def main():
         folder = make_folder(size, base, os.path.join(work, f"model_{size}"))
         data, envs = os.path.join(work, f"prompts_{size}.jsonl"), env_config(size, work, args.seed)
         prompt_len = write_prompts(folder, data, args.seed, envs)
+        turns = args.turns if size == "multiturn" else 1
         common = ["--folder", folder, "--data", data, "--envs", envs, "--threads", str(args.threads),
-                  "--prompts", str(args.prompts),
+                  "--prompts", str(args.prompts), "--turns", str(turns),
                   "--group", str(args.group), "--max-tokens", str(args.max_tokens), "--steps", str(args.steps),
                   "--micro-batch", str(micro), "--lr", str(args.lr), "--seed", str(args.seed)]
         python = {"ours": sys.executable, "trl": args.trl_python}
@@ -264,10 +313,12 @@ def main():
                       f"{out['step']:.2f} s/step "
                       f"(sampling {out['sample']:.2f}, update {out['update']:.2f}, other {out['other']:.2f}), "
                       f"start-up {out['startup']:.1f} s, "
-                      f"peak RSS {out['rss']:.2f} GiB, {out['tokens']:.1f} new tokens/sample", flush=True)
+                      f"peak RSS {out['rss']:.2f} GiB, {out['tokens']:.1f} new tokens/sample"
+                      + (f", {out['turns']:.2f} turns and {out['tool_calls']:.2f} tool calls/sample, reward "
+                         f"{out['reward']:.2f}" if turns > 1 else ""), flush=True)
                 if timed:
                     runs[side].append(out)
-        rows.append((size, prompt_len, runs))
+        rows.append((size, prompt_len, turns, runs))
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
     print_table(rows, sides, args)
@@ -281,7 +332,7 @@ def print_table(rows, sides, args):
     print("| model | side | s/step | sampling s | update s | other s | all but sampling | start-up s | peak RSS GiB "
           "| new tokens/sample |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for size, prompt_len, runs in rows:
+    for size, prompt_len, _, runs in rows:
         for s in sides:
             f = {k: med(r[k] for r in runs[s]) for k in runs[s][0]}
             print(f"| {size} ({prompt_len:.0f}-token prompts) | {s} | {f['step']:.2f} | {f['sample']:.2f} "
@@ -290,7 +341,7 @@ def print_table(rows, sides, args):
     print("\n| model | A / B | speed (B s/step / A) | sampling A/B | update A/B | all but sampling A/B | start-up A/B "
           "| peak RSS A/B |")
     print("|---|---|---|---|---|---|---|---|")
-    for size, _, runs in rows:
+    for size, _, _, runs in rows:
         for a, b in RATIOS:
             if a not in sides or b not in sides:
                 continue
@@ -300,6 +351,22 @@ def print_table(rows, sides, args):
                 return med((y[key] / x[key]) if invert else (x[key] / y[key]) for x, y in pairs)
             print(f"| {size} | {a} / {b} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} "
                   f"| {ratio('update'):.2f} | {ratio('not_sample'):.2f} | {ratio('startup'):.2f} | {ratio('rss'):.2f} |")
+    multi = [(size, turns, runs) for size, _, turns, runs in rows if turns > 1]
+    if not multi:
+        return
+    print("\nWork per episode of the multi-turn sizes (means over a run's steps, then the median of the runs): new "
+          "tokens sampled, assistant turns, tool calls parsed (finish included), the share of episodes our env ended "
+          "(a finish call or a plain-text answer) within the turns sampled, the turns sampled after that (TRL only: "
+          "ours stops there), the env's reward\n")
+    print("| model | side | new tokens/sample | turns/sample | tool calls/sample | env-ended | turns after the end "
+          "| reward |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size, turns, runs in multi:
+        for s in sides:
+            f = {k: med(r[k] for r in runs[s]) for k in runs[s][0]}
+            after = f"{f['after_end']:.2f}" if "after_end" in f else "-"
+            print(f"| {size} (K={turns}) | {s} | {f['tokens']:.1f} | {f['turns']:.2f} | {f['tool_calls']:.2f} "
+                  f"| {f['ended']:.0%} | {after} | {f['reward']:.2f} |")
 
 
 # -----------------------------------------------------------------------------
@@ -318,7 +385,8 @@ def ours_worker(args):
         f"seed={args.seed}", f"threads={args.threads}", "wandb=false", f"out_dir={run_dir}", "run_name=bench",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.agent.n_samples={args.group}",
         f"rollout.max_tokens={args.max_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-        "rollout.agent.max_turns=1", f"rollout.agent.max_total_tokens={max_prompt + args.max_tokens + 1}",
+        f"rollout.agent.max_turns={args.turns}",                       # the context window: prompt, C, one forced stop
+        f"rollout.agent.max_total_tokens={max_prompt + episode_budget(args.turns, args.max_tokens) + 1}",
         f"learner.lr={args.lr}", f"learner.micro_batch_size={args.micro_batch}", "learner.policy_loss=ppo",
         "learner.loss.agg_mode=token-mean", "algo.name=grpo", "algo.skip_uniform_batches=false",
     ]
@@ -334,7 +402,9 @@ def ours_worker(args):
            "startup_s": t_main - T_PROCESS + ends[0] - recs[0]["perf/step_seconds"],
            "new_tokens": [r["rollout/response_tokens"] for r in recs],
            "reward": [r["rollout/reward"] for r in recs],
-           "old_logprob_pass": [r["perf/old_logprob_pass"] for r in recs]}
+           "old_logprob_pass": [r["perf/old_logprob_pass"] for r in recs],
+           "turns": [r["rollout/num_turns"] for r in recs], "tool_calls": [r["rollout/tool_calls"] for r in recs],
+           "ended": [1 - r["rollout/truncated"] for r in recs]}            # not cut by max_turns or a length limit
     shutil.rmtree(run_dir, ignore_errors=True)
     with open(args.result, "w") as f:
         json.dump(out, f)
@@ -354,6 +424,80 @@ def last_number_reward(completions, answer, **kwargs):
     return [float(right(c, a)) for c, a in zip(completions, answer)]
 
 
+def import_ours():
+    """env.py and chat.py from the repo (they need only the standard library), imported once TRL is loaded and with the
+    repo on sys.path only while they load, so that no file of ours shadows a module of theirs -> (env, chat)."""
+    sys.path.insert(0, ROOT)
+    import chat
+    import env
+    sys.path.remove(ROOT)
+    return env, chat
+
+
+def env_tools(env, envs: str):
+    """The multi-turn TRL side's tools and reward, done by our env (env_config's file `envs`; `env` the module)
+    -> (tools, schemas, reward, work):
+      tools    the functions TRL calls, one per toy_math tool: python_eval returns our env's run_tool text for the same
+               call (the same sandbox); finish returns "" (our env ends the episode there and renders nothing);
+      schemas  our env's schema of each tool, by name (what our prompts render);
+      reward   TRL's reward function: each episode's assistant messages stepped through our env's step until the env
+               ends the episode (a finish call, or a message without tool calls). Calls other than finish change
+               nothing that toy_math grades, so they are not run a second time;
+      work     filled by `reward` once per step: the means over the P x G episodes of WORK (turns, tool calls parsed,
+               finish included, as our rollout/tool_calls counts them; ended; after_end, the turns TRL sampled after
+               the env's end; reward)."""
+    with open(envs) as f:
+        spec = json.load(f)["envs"][0]
+    toy = env.make_env(spec["name"], **spec.get("kwargs", {}))
+    if toy.tool_names != ("python_eval", "finish"):
+        sys.exit(f"the multi-turn TRL side has functions for python_eval and finish, not for {toy.tool_names}")
+    no_task = env.EnvState(task=env.Task(env=toy.name, id="bench", prompt="", answer=""))   # python_eval reads none
+
+    def python_eval(code: str):
+        """Run Python code and return the result.
+
+        Args:
+            code: the code to run
+        """
+        return toy.run_tool(no_task, env.ToolCall("python_eval", {"code": code}))[1]
+
+    def finish(answer: str):
+        """Submit the final answer.
+
+        Args:
+            answer: the final answer
+        """
+        return ""
+
+    work = {k: [] for k in WORK}
+
+    def reward(completions, answer, **kwargs):
+        """Our env's reward of each TRL episode (see above); the step's work goes to `work`."""
+        rewards, totals = [], dict.fromkeys(("turns", "tool_calls", "ended", "after_end"), 0)
+        for messages, want in zip(completions, answer):
+            turns = [m for m in messages if m["role"] == "assistant"]
+            state = env.EnvState(task=env.Task(env=toy.name, id="bench", prompt="", answer=str(want)))
+            for k, m in enumerate(turns):
+                calls = [c["function"] for c in m.get("tool_calls") or []]
+                finish_calls = tuple(env.ToolCall(c["name"], c["arguments"]) for c in calls if c["name"] == "finish")
+                if calls and not finish_calls:
+                    continue                                             # python_eval only: the episode goes on
+                state = toy.step(state, env.Action(m.get("content") or "", finish_calls))[0]
+                if state.done:
+                    totals["ended"] += 1
+                    totals["after_end"] += len(turns) - k - 1
+                    break
+            rewards.append(state.reward)                                 # 0.0 unless the env ended the episode
+            totals["turns"] += len(turns)
+            totals["tool_calls"] += sum(len(m.get("tool_calls") or []) for m in turns)
+        for key, total in totals.items():
+            work[key].append(total / len(completions))
+        work["reward"].append(sum(rewards) / len(completions))
+        return rewards
+
+    return [python_eval, finish], {t["function"]["name"]: t for t in toy.tools()}, reward, work
+
+
 def trl_worker(args):
     here = (ROOT, os.path.dirname(os.path.abspath(__file__)))           # our files must not shadow a module of theirs
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") not in here]
@@ -365,33 +509,40 @@ def trl_worker(args):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen2_5_chat_template
 
     torch.set_num_threads(args.threads)
     transformers.set_seed(args.seed)
+    multi = args.turns > 1
+    tokenizer_class, tools, reward_func = PreTrainedTokenizerFast, None, last_number_reward
+    if multi:
+        env, chat = import_ours()
+        tools, schemas, reward_func, work = env_tools(env, args.envs)
+
+        class EnvSchemaTokenizer(PreTrainedTokenizerFast):
+            """Renders a tool function as our env's schema of that name (transformers would write one from the
+            function's docstring, with a description per argument that ours has not)."""
+            def apply_chat_template(self, conversation, tools=None, **kwargs):
+                tools = tools and [schemas.get(getattr(t, "__name__", ""), t) for t in tools]
+                return super().apply_chat_template(conversation, tools=tools, **kwargs)
+        tokenizer_class = EnvSchemaTokenizer
     # tokenizer.json verbatim: transformers 5's AutoTokenizer rebuilds a qwen2 folder's pre-tokenizer from its class
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(args.folder, "tokenizer.json"), eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", padding_side="left", truncation_side="left")
+    tok = tokenizer_class(tokenizer_file=os.path.join(args.folder, "tokenizer.json"), eos_token="<|im_end|>",
+                          pad_token="<|endoftext|>", padding_side="left", truncation_side="left")
+    if multi:   # TRL parses <tool_call> blocks only for a template it knows byte for byte; the folder's is not one
+        tok.chat_template = qwen2_5_chat_template
     model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id                # stop where ours stops
     model.generation_config.pad_token_id = tok.pad_token_id
     rows = [json.loads(line) for line in open(args.data)]
-    same = sum(tok(text=r["prompt"])["input_ids"] == r["ids"] for r in rows)
+    if multi:   # the conversational prompts, rendered as GRPOTrainer renders them
+        ids = [tok.apply_chat_template(r["messages"], tools=tools, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"] for r in rows]
+    else:
+        ids = [tok(text=r["prompt"])["input_ids"] for r in rows]
+    same = sum(i == r["ids"] for i, r in zip(ids, rows))
     if same != len(rows):
         sys.exit(f"TRL's prompt ids differ from ours on {len(rows) - same} of {len(rows)} prompts")
-
-    gen_s, new_tokens = [], []                    # per generate call (one per step: one generation round)
-    plain_generate = model.generate
-
-    def timed_generate(*a, **kw):
-        t0 = time.time()
-        out = plain_generate(*a, **kw)
-        gen_s.append(time.time() - t0)
-        prompt_len = (kw["input_ids"] if "input_ids" in kw else a[0]).shape[1]
-        done = out[:, prompt_len:] == tok.eos_token_id                    # (B, M) sampled tokens up to the first eos
-        first = torch.where(done.any(1), done.int().argmax(1) + 1, done.shape[1])
-        new_tokens.append(float(first.float().mean()))
-        return out
-    model.generate = timed_generate
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -405,28 +556,66 @@ def trl_worker(args):
 
     timer = StepTimer()
     PG = args.prompts * args.group
+    calls = []                    # per model.generate call: (step, seconds, sampled tokens up to each row's first eos)
+    plain_generate = model.generate
+
+    def timed_generate(*a, **kw):
+        t0 = time.time()
+        out = plain_generate(*a, **kw)
+        seconds = time.time() - t0
+        prompt_len = (kw["input_ids"] if "input_ids" in kw else a[0]).shape[1]
+        done = out[:, prompt_len:] == tok.eos_token_id                    # (B, M) sampled tokens up to the first eos
+        first = torch.where(done.any(1), done.int().argmax(1) + 1, done.shape[1])
+        calls.append((len(timer.ends) - 1, seconds, float(first.sum())))
+        return out
+    model.generate = timed_generate
+
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="grpo_vs_trl_trl_"), use_cpu=True, bf16=args.bf16, fp16=False,
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=PG // args.micro_batch,
-        num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        num_generations=args.group, max_completion_length=episode_budget(args.turns, args.max_tokens),
+        temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, num_iterations=1, use_vllm=False, gradient_checkpointing=False, seed=args.seed,
         data_seed=args.seed, logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    trainer = GRPOTrainer(model=model, reward_funcs=last_number_reward, args=cfg, train_dataset=dataset,
-                          processing_class=tok, callbacks=[timer])
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        **({"max_tool_calling_iterations": args.turns - 1} if multi else {}))          # K generation rounds
+    prompt_key = "messages" if multi else "prompt"
+    dataset = Dataset.from_list([{"prompt": r[prompt_key], "answer": r["answer"]} for r in rows])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_func, args=cfg, train_dataset=dataset,
+                          processing_class=tok, callbacks=[timer], tools=tools)
     trainer.remove_callback(PrinterCallback)
+    rollout_s = []                # multi-turn: per step, the time in TRL's _generate (every round, tools and parsing)
+    if multi:
+        obs = [env.tool_message("python_eval", "42")]           # a tool result: TRL's ids against our agent's
+        if trainer._get_tool_suffix_ids(obs) != tok(text=chat.render_continuation(obs))["input_ids"]:
+            sys.exit("TRL's ids of a tool result differ from ours")
+        plain_rollout = trainer._generate
+
+        def timed_rollout(prompts):
+            t0 = time.time()
+            out = plain_rollout(prompts)
+            rollout_s.append(time.time() - t0)
+            return out
+        trainer._generate = timed_rollout
     trainer.train()
     shutil.rmtree(cfg.output_dir, ignore_errors=True)
     step_s = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
-    if len(step_s) != args.steps or len(gen_s) != args.steps:
-        sys.exit(f"expected {args.steps} steps and generate calls, got {len(step_s)} and {len(gen_s)}")
-    out = {"step_s": step_s, "sample_s": gen_s, "update_s": [s - g for s, g in zip(step_s, gen_s)],
-           "startup_s": timer.ends[0] - T_PROCESS, "new_tokens": new_tokens,
+    gen_s = [sum(c[1] for c in calls if c[0] == i) for i in range(args.steps)]
+    rounds = [sum(c[0] == i for c in calls) for i in range(args.steps)]        # generate calls per step
+    rollouts = args.steps if multi else 0                                    # TRL's _generate calls timed
+    if len(step_s) != args.steps or any(not 1 <= r <= args.turns for r in rounds) or len(rollout_s) != rollouts:
+        sys.exit(f"expected {args.steps} steps of 1 to {args.turns} generate calls, got {len(step_s)} steps and "
+                 f"{rounds} calls")
+    sample_s = rollout_s if multi else gen_s
+    out = {"step_s": step_s, "sample_s": sample_s, "update_s": [s - g for s, g in zip(step_s, sample_s)],
+           "startup_s": timer.ends[0] - T_PROCESS,
+           "new_tokens": [sum(c[2] for c in calls if c[0] == i) / PG for i in range(args.steps)],
            "loss_type": cfg.loss_type, "versions": {"trl": __import__("trl").__version__,
                                                     "transformers": transformers.__version__,
                                                     "torch": torch.__version__}}
+    if multi:
+        out.update(work, generate_s=gen_s, rounds=rounds)
     with open(args.result, "w") as f:
         json.dump(out, f)
 
