@@ -231,10 +231,10 @@ def test_a_branched_session_trains_as_one_row_per_request_each_the_engines_own(t
         ask(base_url, {"prompt": "Once more: " + task["prompt"]}, session)
         return float(session.endswith("/1"))           # sample 1 of each group scores 1
     envs = {"toy_math": make_env("toy_math")}
-    tasks = envs["toy_math"].sample_tasks("train", 2, 0)
     rollouts = rollouts_for(agent, engine, tok, envs)
+    params = SamplingParams(temperature=1.0, max_tokens=12)
     try:
-        trajs, metrics = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=12), seed=7,
+        trajs, metrics = rollouts.play(envs["toy_math"].sample_tasks("train", 2, 0), params, seed=7,
                                        agent=AgentConfig(n_samples=2))
     finally:
         rollouts.shutdown()
