@@ -199,6 +199,11 @@ def staleness_metrics(trajs: list, learner_version: int) -> dict:
 # -----------------------------------------------------------------------------
 # the engine piece: generations in a background thread, pushes at token boundaries, recorded or replayed
 
+def _per_thread(name: str) -> property:
+    """An int attribute that each thread reads and writes apart (0 until that thread sets it): self._local.<name>."""
+    return property(lambda self: getattr(self._local, name, 0), lambda self, n: setattr(self._local, name, n))
+
+
 class ConcurrentEngine(TorchEngine):
     """A TorchEngine that a background thread samples from while the loop pushes and probes (the sync gate).
 
@@ -237,21 +242,8 @@ class ConcurrentEngine(TorchEngine):
                                                             # version] applied, the replayed swaps {step: version}
 
     # each thread counts its own prompt tokens (agent.prefill_counts reads them around its own calls)
-    @property
-    def prefilled_tokens(self) -> int:
-        return getattr(self._local, "prefilled", 0)
-
-    @prefilled_tokens.setter
-    def prefilled_tokens(self, n: int):
-        self._local.prefilled = n
-
-    @property
-    def prompt_tokens(self) -> int:
-        return getattr(self._local, "prompt", 0)
-
-    @prompt_tokens.setter
-    def prompt_tokens(self, n: int):
-        self._local.prompt = n
+    prefilled_tokens = _per_thread("prefilled")
+    prompt_tokens = _per_thread("prompt")
 
     def number_from(self, version: int, record=None, plan: dict | None = None):
         """Number the weights from `version` on (a resumed run's RL step); record the background thread's calls to
