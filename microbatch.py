@@ -72,17 +72,6 @@ def _layout(units: list[tuple[torch.Tensor, int]], lens: torch.Tensor,
     return rows, SharedPrefix(torch.tensor(lead), plens, group, cont)
 
 
-def _cost(units: list[tuple[torch.Tensor, int]], lens: torch.Tensor) -> int:
-    """Token positions a micro-batch of these units runs: rows x longest row, or with shared prefixes the prefixes
-    (units x longest) plus the continuations (rows x longest)."""
-    rows = torch.cat([r for r, _ in units])
-    if all(p == 0 for _, p in units):
-        return len(rows) * int(lens[rows].max())
-    shared = [p if p > 0 else int(lens[r[0]]) for r, p in units]
-    cont = max(int(lens[r].max()) - s for (r, _), s in zip(units, shared))
-    return len(units) * max(shared) + len(rows) * max(cont, 0)
-
-
 class MicroBatch(NamedTuple):
     rows: torch.Tensor               # (m,) long, rows of the (mini-)batch
     dummy: bool                      # only there to join the collectives: weight 0
@@ -94,7 +83,7 @@ def rank_micro_batches(lens: torch.Tensor, size: int, max_tokens: int = 0,
     """This rank's micro-batches, units of rows of similar length together (sorted), so a long row pads few short
     ones. The update does not depend on how rows are split (file docstring, point 3), so the grouping is free.
     Rank r takes every world-th unit of the sorted order (each rank gets a similar token count). As many units as
-    fit `size` rows and, with max_tokens > 0, a computed token count (_cost) <= max_tokens (one unit at least):
+    fit `size` rows and, with max_tokens > 0, positions run (positions_run) <= max_tokens (one unit at least):
     short rows go many to a micro-batch, long ones few. share = (input_ids, mask): rows that share a prompt go
     together and run it once (_units; a group larger than `size` is split). A rank left with fewer
     micro-batches than the others gets `dummy` ones (the shortest row, weight 0): under FSDP each forward/backward
@@ -105,17 +94,22 @@ def rank_micro_batches(lens: torch.Tensor, size: int, max_tokens: int = 0,
     key = torch.tensor([int(lens[r].max()) for r, _ in units])
     order = torch.argsort(key, stable=True)
     mine = [units[i] for i in order[get_rank()::get_world_size()].tolist()]
+    both = share is not None and get_world_size() > 1      # FSDP: the same forwards on every rank
+
+    def cost(us) -> int:                                   # the positions a micro-batch of these units runs
+        rows, shared = _layout(us, lens, both)
+        return positions_run(lens[rows], shared)[1]
+
     plan, current = [], []
     for u in mine:
         fits = (sum(len(r) for r, _ in current) + len(u[0]) <= size
-                and (max_tokens == 0 or _cost(current + [u], lens) <= max_tokens))
+                and (max_tokens == 0 or cost(current + [u]) <= max_tokens))
         if current and not fits:
             plan.append(current)
             current = []
         current.append(u)
     if current:
         plan.append(current)
-    both = share is not None and get_world_size() > 1      # FSDP: the same forwards on every rank
     plan = [MicroBatch(rows, False, shared) for rows, shared in (_layout(us, lens, both) for us in plan)]
     if get_world_size() > 1:
         n = all_reduce_(torch.tensor([len(plan)]), dist.ReduceOp.MAX).item()
