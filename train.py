@@ -156,16 +156,14 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
                                 lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
                                 lc.max_tokens_per_micro_batch, lc.shared_prefix)
     trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes)
-    ref = None
-    if lc.kl_coef > 0:
-        ref = compute_logprobs(policy.ref_model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
-                               shared_prefix=lc.shared_prefix)                   # (B, T)
+
+    def score(model, **kw) -> torch.Tensor:        # (B, T) a model's log-probs of the trained tokens, micro-batched
+        return compute_logprobs(model, batch.input_ids, lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
+                                mask, lc.max_tokens_per_micro_batch, shared_prefix=lc.shared_prefix, **kw)
+    ref = score(policy.ref_model) if lc.kl_coef > 0 else None                     # (B, T)
     old = None                                                                     # exactly on-policy: the update
     if old_logprobs_needed(lc) or cfg.algo.kl_in_reward or teacher is not None:   # takes pi = pi_old, detached
-        old = compute_logprobs(policy.model, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                               lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
-                               shared_prefix=lc.shared_prefix, **trunc)          # (B, T) pi_old
+        old = score(policy.model, **trunc)                                         # (B, T) pi_old
     metrics["perf/old_logprob_pass"] = float(old is not None)
     token_kl = None
     if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
@@ -200,10 +198,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
             adv = algos.group_advantages(rewards[last], G, cfg.algo.advantage)[episode][:, None] * mask  # (B, T)
             informative = bool(algos.dynamic_sampling_mask(batch.rewards[last], G).any())
     if teacher is not None:                                                        # on-policy distillation
-        teacher_logp = compute_logprobs(teacher, batch.input_ids, lc.micro_batch_size, lc.temperature,
-                                        lc.logprob_chunk_size, mask, lc.max_tokens_per_micro_batch,
-                                        shared_prefix=lc.shared_prefix)            # (B, T)
-        adv, m = algos.distillation_advantages(old, teacher_logp, mask, adv, cfg.algo.distill_coef)   # (B, T)
+        adv, m = algos.distillation_advantages(old, score(teacher), mask, adv, cfg.algo.distill_coef)   # (B, T)
         metrics["train/distill_reverse_kl"] = float(m["distill_reverse_kl"])
         informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
