@@ -416,10 +416,10 @@ def sample_mixture(envs: dict[str, "Env"], weights: list[tuple[str, float]], spl
 
 # Envs that live in their own files beside this one, imported on first use (like gym's entry points):
 # env.py needs none of them, and each of them imports env.py (env_humaneval also env_code, whose grading it shares).
-ENTRY_POINTS: dict[str, str] = {"text_math": "env_math", "dataset": "env_math", "tool_use": "env_search",
-                                "code": "env_code", "webshop_lite": "env_webshop",
-                                "alfworld_lite": "env_alfworld", "tau_lite": "env_tau", "humaneval": "env_humaneval",
-                                "textworld": "env_textworld"}
+ENTRY_POINTS: dict[str, str] = {"text_math": "envs.env_math", "dataset": "envs.env_math", "tool_use": "envs.env_search",
+                                "code": "envs.env_code", "webshop_lite": "envs.env_webshop",
+                                "alfworld_lite": "envs.env_alfworld", "tau_lite": "envs.env_tau",
+                                "humaneval": "envs.env_humaneval", "textworld": "envs.env_textworld"}
 
 
 def make_env(name: str, **kwargs) -> Env:
@@ -434,7 +434,8 @@ def env_class(name: str) -> type[Env]:
         try:
             importlib.import_module(ENTRY_POINTS[name])   # registers the env by its @register_env
         except ModuleNotFoundError as e:
-            raise ValueError(f"env {name!r} lives in {ENTRY_POINTS[name]}.py, which could not be imported: {e}") from e
+            path = ENTRY_POINTS[name].replace(".", "/") + ".py"
+            raise ValueError(f"env {name!r} lives in {path}, which could not be imported: {e}") from e
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; available: {', '.join(sorted(set(ENVS) | set(ENTRY_POINTS)))}")
     return ENVS[name]

@@ -320,9 +320,9 @@ class TorchEngine:
 
 # the engines and the torch engine's optional pieces that live in files of their own (wings), "module.Class",
 # imported on first use: a run that never asks for one never imports it (nor vllm)
-ENGINES = {"vllm": "engine_vllm.VLLMEngine", "openai": "engine_openai.OpenAIEngine"}
-TORCH_ENGINE_PIECES = {"concurrent": "async_rollouts.ConcurrentEngine",
-                       "prefix_cache_tokens": "prefix_cache.PrefixCachedEngine"}
+ENGINES = {"vllm": "wings.engine_vllm.VLLMEngine", "openai": "wings.engine_openai.OpenAIEngine"}
+TORCH_ENGINE_PIECES = {"concurrent": "wings.async_rollouts.ConcurrentEngine",
+                       "prefix_cache_tokens": "wings.prefix_cache.PrefixCachedEngine"}
 
 
 def wing(entry: str):

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-# The two sandboxes behind python_eval and python_exec, and the bounded parser calculate uses.
+# The sandbox behind python_eval, and the bounded parser calculate uses.
 from sandbox import SANDBOX, parse_python
-from sandbox_exec import execute_python
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,6 @@ def tool(name: str, description: str, parameters: dict, bounded: bool = False):
 def python_eval(env, state, code):
     """Run `code` in the shared sandbox; the state is unchanged."""
     text, kind = SANDBOX.run(code, timeout=env.tool_timeout)
-    return state, text, kind
-
-
-@tool("python_exec", "Run a Python program in a fresh sandbox.",
-      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, bounded=True)
-def python_exec(env, state, code):
-    """Run `code` as a whole program in its own sandboxed process (execute_python); the state is unchanged."""
-    text, kind = execute_python(code, timeout_s=env.tool_timeout)
     return state, text, kind
 
 

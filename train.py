@@ -259,7 +259,7 @@ def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_
     if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
         lc = cfg.learner
         # model.quantize=nf4: the same adapters on a base stored in 4 bits (QLoRA)
-        wrap = wing("qlora.apply_qlora") if cfg.model.quantize == "nf4" else wing("lora.apply_lora")
+        wrap = wing("wings.qlora.apply_qlora") if cfg.model.quantize == "nf4" else wing("wings.lora.apply_lora")
         wrap(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
     model = shard_model(model, learner_cfg)           # one process: unsharded, on the GPU if there is one
     ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
@@ -302,14 +302,14 @@ def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_mo
     built here; `weights` pushed first when the learner is not the base model (a resumed run; LoRA's merged weights).
     With rollout.judge.model_path, an LLM judge (judge.py) scores the finished training episodes."""
     if cfg.ray.rollout_workers:
-        return wing("cluster.start_ray_rollouts")(cfg, model_dir, envs, engine_options(cfg), weights)
+        return wing("wings.cluster.start_ray_rollouts")(cfg, model_dir, envs, engine_options(cfg), weights)
     engine = make_engine(cfg.rollout.engine, model_dir, pad_id=pad_token_id(tokenizer),
                          model=engine_model, **engine_options(cfg))
     if weights is not None:
         engine.update_weights(weights)
-    judge = wing("judge.LLMJudge").from_config(cfg) if cfg.rollout.judge.model_path else None  # the envs' own: None
+    judge = wing("wings.judge.LLMJudge").from_config(cfg) if cfg.rollout.judge.model_path else None  # envs' own: None
     if cfg.rollout.external_agent:                    # the user's own agent plays, against a server over the engine
-        return wing("external_agent.ExternalRollouts")(cfg, engine, envs, tokenizer, judge=judge)
+        return wing("wings.external_agent.ExternalRollouts")(cfg, engine, envs, tokenizer, judge=judge)
     return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent, judge=judge)
 
 
@@ -318,7 +318,7 @@ def build_schedule(cfg: Config, rollouts, envs: dict, start: int, resume: str):
     def collect(step):
         return collect_rollouts(cfg, rollouts, envs, step)
     if cfg.rollout.async_rollouts:
-        return wing("async_rollouts.AsyncSchedule").from_config(cfg, collect, rollouts, start, resume, is_main())
+        return wing("wings.async_rollouts.AsyncSchedule").from_config(cfg, collect, rollouts, start, resume, is_main())
     return SyncSchedule(collect)
 
 
@@ -441,6 +441,6 @@ def cli(argv=None) -> Config:
 if __name__ == "__main__":
     cfg = cli()
     if cfg.ray.learner_workers:
-        wing("cluster.launch_on_ray")(cfg, main)
+        wing("wings.cluster.launch_on_ray")(cfg, main)
     else:
         main(cfg)

@@ -27,12 +27,12 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from agent import run_episodes  # noqa: E402
-from cluster import (DISPATCHERS, WorkerSpec, dispatch, make_placement_group, start_env_workers,  # noqa: E402
-                     start_rollout_workers)
 from config import load_config  # noqa: E402
 from env import make_env  # noqa: E402
 from rollout import SamplingParams, make_engine  # noqa: E402
 from sft import build_default_model  # noqa: E402
+from wings.cluster import (DISPATCHERS, WorkerSpec, dispatch, make_placement_group, start_env_workers,  # noqa: E402
+                           start_rollout_workers)
 
 
 def main():

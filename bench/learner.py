@@ -27,10 +27,10 @@ def worker(args) -> None:
     """One measurement (in a subprocess; under torchrun on every rank). Rank 0 prints one JSON line."""
     import torch
     from config import SFTConfig
-    from lora import apply_lora
     from distributed import cleanup_distributed, get_world_size, init_distributed, is_main, shard_model
     from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, old_logprobs_needed, train_step
     from model import ModelConfig, init_model
+    from wings.lora import apply_lora
 
     torch.set_num_threads(args.threads)
     init_distributed()

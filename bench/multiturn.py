@@ -35,9 +35,9 @@ from config import load_config  # noqa: E402
 from env import make_env  # noqa: E402
 from eval import heldout_tasks  # noqa: E402
 from model import ModelConfig, init_model, load_model, save_model  # noqa: E402
-from prefix_cache import PrefixCachedEngine  # noqa: E402
 from rollout import SamplingParams, TorchEngine  # noqa: E402
 from sft import build_default_model, train_tokenizer, write_tokenizer_files  # noqa: E402
+from wings.prefix_cache import PrefixCachedEngine  # noqa: E402
 
 
 def random_default_model(cfg, envs) -> str:

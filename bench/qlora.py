@@ -53,10 +53,10 @@ def worker(args) -> None:
         for t in [*model.parameters(), *model.buffers()]:
             t.data = t.data.clone()
     if args.child == "lora":
-        from lora import apply_lora
+        from wings.lora import apply_lora
         apply_lora(model, args.rank, 2.0 * args.rank)
     elif args.child == "qlora":
-        from qlora import apply_qlora
+        from wings.qlora import apply_qlora
         apply_qlora(model, args.rank, 2.0 * args.rank)
     cfg = LearnerConfig(lr=1e-4, micro_batch_size=args.batch)
     model = shard_model(model, cfg)                    # one process: on the GPU if there is one

@@ -29,9 +29,9 @@ from config import load_config  # noqa: E402
 from env import make_env  # noqa: E402
 from eval import heldout_tasks  # noqa: E402
 from model import ModelConfig, init_model, load_model, save_model  # noqa: E402
-from engine_vllm import VLLMEngine  # noqa: E402
 from rollout import SamplingParams, TorchEngine  # noqa: E402
 from sft import build_default_model  # noqa: E402
+from wings.engine_vllm import VLLMEngine  # noqa: E402
 
 
 def prompts_for(cfg, tokenizer, count: int) -> list[list[int]]:

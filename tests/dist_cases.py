@@ -14,9 +14,9 @@ import torch
 
 from distributed import cleanup_distributed, full_state_dict, get_world_size, init_distributed, is_main, shard_model
 from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, merged_state_dict, sft_step, train_step
-from lora import apply_lora
-from qlora import apply_qlora
 from model import ModelConfig, init_model
+from wings.lora import apply_lora
+from wings.qlora import apply_qlora
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

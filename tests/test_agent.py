@@ -25,9 +25,10 @@ from conftest import IN_CI, need
 import agent
 import env as env_module
 from agent import AgentConfig, Trajectory, rollout_metrics, run_episodes, state_key, to_batch
-from chat import make_action, parse_assistant_message, parse_tool_calls, render, render_continuation
+from chat import make_action, parse_assistant_message, render, render_continuation
 from rollout import Generation, SamplingParams
 from sft import QWEN25_CHAT_TEMPLATE
+from tool_calls import parse_tool_calls
 
 Task, ToolCall = env_module.Task, env_module.ToolCall
 ROOT = Path(__file__).resolve().parents[1]
@@ -813,7 +814,7 @@ def test_prefix_cache_keeps_trajectories_and_prefills_only_new_tokens(tok, tempe
     same trajectories token for token (log-probs to float rounding, 1e-5 in fp32), and far fewer tokens prefilled,
     as LocalRollouts reports them."""
     from model import ModelConfig, init_model
-    from prefix_cache import PrefixCachedEngine
+    from wings.prefix_cache import PrefixCachedEngine
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     model = init_model(cfg, 0)

@@ -4,8 +4,8 @@ exact resume, partial rollouts within the bound) are in test_train.py."""
 import pytest
 import torch
 
-from async_rollouts import AsyncSchedule
 from rollout import SamplingParams, make_engine
+from wings.async_rollouts import AsyncSchedule
 from test_rollout import PAD, PROMPTS, learner_logprobs, tiny_model
 
 
@@ -102,7 +102,7 @@ def test_partial_rollout_swaps_are_recorded_and_replayed_whenever_the_push_arriv
     import copy
     import os
     import threading
-    from async_rollouts import RECORD, SwapRecord, read_record
+    from wings.async_rollouts import RECORD, SwapRecord, read_record
     old, new = tiny_model(0), tiny_model(1)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3)
 
@@ -180,7 +180,7 @@ def test_replaying_another_runs_record_is_an_error_naming_the_call(tmp_path):
     """A record that does not fit the run (here: the call runs 6 token steps, the record says 10 with a swap at 8)
     stops it with an error naming the call, and so does a call the record lacks while it still has calls to replay."""
     import copy
-    from async_rollouts import SwapRecord
+    from wings.async_rollouts import SwapRecord
     old, new = tiny_model(0), tiny_model(1)
     engine = make_engine("torch", "", pad_id=PAD, model=copy.deepcopy(old), concurrent=True)
     entry = {"step": 3, "call": 0, "start": 0, "swaps": [[8, 1]], "token_steps": 10}

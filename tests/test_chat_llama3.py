@@ -18,14 +18,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from conftest import need
 from test_agent import CalcEnv  # noqa: E402
 
-import chat
-import chat_llama3
 from agent import AgentConfig, run_episodes
-from chat import MAX_BLOCKS, MAX_PARSE_CHARS, make_action, parse_assistant_message, render, render_continuation
-from chat_llama3 import EOM, EOT, parse_tool_calls
+import chat
+from chat import make_action, parse_assistant_message, render, render_continuation
 from env import Task, make_env
 from rollout import Generation, SamplingParams
 from sft import train_tokenizer, tokenize_conversation
+from tool_calls import MAX_BLOCKS, MAX_PARSE_CHARS
+from wings import chat_llama3
+from wings.chat_llama3 import EOM, EOT, parse_tool_calls
 
 BOS = "<|begin_of_text|>"
 
@@ -347,7 +348,7 @@ def test_render_refuses_what_the_template_cannot_write(messages, tools, needle):
 
 def test_the_format_table():
     """chat.py reaches the wing by name: the module exists and defines what chat.py calls."""
-    assert "llama3" in chat.CHAT_FORMATS and chat.WING_FORMATS["llama3"] == "chat_llama3"
+    assert "llama3" in chat.CHAT_FORMATS and chat.WING_FORMATS["llama3"] == "wings.chat_llama3"
     for name in ("render", "render_continuation", "make_action", "parse_assistant_message", "TURN_ENDS"):
         assert hasattr(chat_llama3, name), name
     assert chat.turn_ends("llama3") == (EOT, EOM) and chat.turn_ends("qwen2.5") == ("<|im_end|>",)

@@ -474,7 +474,7 @@ def test_tool_schemas(toy):
         json.dumps(s)
     assert schemas[0]["function"]["parameters"]["required"] == ["code"]
     assert schemas[1]["function"]["parameters"]["required"] == ["answer"]
-    for name, required in [("python_exec", ["code"]), ("calculator", ["expression"]), ("scratchpad", ["action"])]:
+    for name, required in [("calculator", ["expression"]), ("scratchpad", ["action"])]:
         s = TOOLS[name].schema()
         assert s["function"]["parameters"]["required"] == required and len(s["function"]["description"]) <= 60
         json.dumps(s)

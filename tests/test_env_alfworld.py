@@ -12,12 +12,12 @@ import agent
 import chat
 import rollout
 
-import env_alfworld as alf
 from config import load_config
 from env import Action, ToolCall, make_env
+from envs import env_alfworld as alf
+from envs.worlds import read_tasks, write_tasks
 from eval import play_scripted, scripted_metrics
 from tools import TOOLS
-from worlds import read_tasks, write_tasks
 
 DEVICES = ["fridge 1", "microwave 1", "sinkbasin 1", "desklamp 1"]
 

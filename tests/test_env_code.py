@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-import env_code
 from env import Action, Task, ToolCall, make_env, split_of
-from sandbox_exec import ExecLimits, execute_python
-from env_code import FAMILIES, FAMILY, CodeEnv, extract_code, grade, reference_code
+from envs import env_code
+from envs.env_code import FAMILIES, FAMILY, CodeEnv, extract_code, grade, reference_code
+from envs.sandbox_exec import ExecLimits, execute_python
+from envs.worlds import read_tasks, write_tasks
 from eval import play_scripted
-from worlds import read_tasks, write_tasks
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +227,15 @@ def test_finish_reports_metrics_and_format(code_env):
                                         ("def g(x):\n    return x", False), ("f(", False), ("print(1)", False)])
 def test_format_ok(code_env, answer, ok):
     assert code_env.format_ok(answer) is ok
+
+
+def test_python_exec_is_this_worlds_tool():
+    """python_exec is registered by the code worlds (env_code.py), with a short schema rendered into every prompt."""
+    from tools import TOOLS
+    s = TOOLS["python_exec"].schema()
+    assert s["function"]["parameters"]["required"] == ["code"] and len(s["function"]["description"]) <= 60
+    assert TOOLS["python_exec"].bounded
+    json.dumps(s)
 
 
 def test_python_exec_runs_and_the_episode_goes_on(code_env):

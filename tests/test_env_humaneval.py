@@ -20,14 +20,14 @@ import pytest
 
 from conftest import need
 
-import env_humaneval
 from agent import AgentConfig, run_episodes
 from env import Action, ToolCall, make_env
-from env_humaneval import HumanEvalEnv, extract_code, first_example, grade
+from envs import env_humaneval
+from envs.env_humaneval import HumanEvalEnv, extract_code, first_example, grade
+from envs.worlds import read_tasks, write_tasks
 from eval import play_scripted, scripted_metrics
-from rollout import SamplingParams
 from test_agent import ScriptedEngine, tok  # noqa: F401 (tok is a fixture)
-from worlds import read_tasks, write_tasks
+from rollout import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ import sys
 
 import pytest
 
-import env_math
 from config import load_config
 from env import Action, Task, ToolCall, make_env, split_of
-from env_math import answers_equivalent, extract_reference, to_number
+from envs import env_math
+from envs.env_math import answers_equivalent, extract_reference, to_number
+from envs.worlds import read_tasks, write_tasks
 from eval import play_scripted
 from tools import calculate
-from worlds import read_tasks, write_tasks
 
 from conftest import need
 

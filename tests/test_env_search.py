@@ -13,13 +13,13 @@ import re
 
 import pytest
 
-import env
 from config import load_config
+import env
 from env import Action, ToolCall, make_env, split_of
-from env_search import BM25, KINDS, TEMPLATE_WORDS, TEST_PERCENT, tokenize
+from envs.env_search import BM25, KINDS, TEMPLATE_WORDS, TEST_PERCENT, tokenize
+from envs.worlds import read_tasks, write_tasks
 from eval import play_scripted, scripted_metrics
 from tools import validate_arguments
-from worlds import read_tasks, write_tasks
 
 CONFIG = load_config("configs/tool_use.yaml")
 

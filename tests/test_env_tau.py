@@ -9,14 +9,14 @@ import pytest
 
 from agent import LocalRollouts, run_episodes
 from chat import encode, render
-from rollout import Generation, SamplingParams
 from config import load_config
 from env import Action, Task, ToolCall, make_env
-from env_tau import (DB, Item, Order, TauEnv, User, customer_split, db_from_json, db_to_json, expected_db, mentions,
-                     told, user_reply)
+from envs.env_tau import (DB, Item, Order, TauEnv, User, customer_split, db_from_json, db_to_json, expected_db,
+                          mentions, told, user_reply)
+from envs.worlds import read_tasks, write_tasks
 from eval import evaluate, play_scripted
+from rollout import Generation, SamplingParams
 from sft import tokenize_conversation, train_tokenizer
-from worlds import read_tasks, write_tasks
 
 CFG = load_config("configs/tau_lite.yaml")
 

@@ -27,9 +27,9 @@ need("textworld", "the textworld env plays TextWorld's games")
 
 import agent  # noqa: E402
 import chat  # noqa: E402
-import env_textworld as twe  # noqa: E402
 from config import load_config  # noqa: E402
 from env import Action, ToolCall, make_env  # noqa: E402
+from envs import env_textworld as twe  # noqa: E402
 from eval import play_scripted, scripted_metrics  # noqa: E402
 
 MIX = {"tw-coin_collector": [2], "tw-treasure_hunter": [2]}
@@ -482,8 +482,8 @@ def test_on_ray_env_workers_and_rollout_workers(held, cache, tmp_path_factory):
     tw_act as this process does; episodes of the tiny model with env steps on that worker, and on a RolloutWorker
     that builds the env from its kwargs (async_batch_bounded), are the ones played here."""
     ray = need("ray", "a runtime dependency: bash setup.sh installs it")
-    from cluster import EnvPool, WorkerSpec, dispatch, make_placement_group, start_env_workers, start_rollout_workers
     from sft import build_default_model
+    from wings.cluster import EnvPool, WorkerSpec, dispatch, make_placement_group, start_env_workers, start_rollout_workers
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_ray import AGENT, PARAMS, in_process, same
     from test_train import TINY

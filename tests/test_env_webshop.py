@@ -11,13 +11,13 @@ import re
 
 import pytest
 
-import env
-import env_webshop as ws
 from chat import make_action, render
+import env
 from env import Action, Task, ToolCall, make_env, split_of
-from env_webshop import Product, View, search, shop_reward
+from envs import env_webshop as ws
+from envs.env_webshop import Product, View, search, shop_reward
+from envs.worlds import read_tasks, write_tasks
 from eval import play_scripted, scripted_metrics
-from worlds import read_tasks, write_tasks
 
 SIZES = (("size", ("S", "M", "L")),)
 HAND = (  # id, category, color, material, price, rating, options

@@ -11,14 +11,14 @@ from fractions import Fraction
 
 import pytest
 
-import env as env_module
 from agent import AgentConfig, LocalRollouts, run_episodes
-from rollout import SamplingParams
+import env as env_module
 from env import make_env, mix_seed
+from envs.worlds import read_tasks, write_tasks
 from eval import (episode_success, evaluate, expert_actions, pass_at_k, pass_metrics, play_scripted,
                   scripted_metrics)
 from test_agent import CalcEnv, CalcState, ScriptedEngine, calc_task, call_text, tok  # noqa: F401 (tok: a fixture)
-from worlds import read_tasks, write_tasks
+from rollout import SamplingParams
 
 
 class JudgedCalcEnv(CalcEnv):

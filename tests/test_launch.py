@@ -134,8 +134,8 @@ def test_a_failing_learner_actor_is_named(tiny, ray_head, tmp_path):
     """Joining the cluster at ray.address, every rank raises at once (resume= a folder that is no checkpoint, which
     main() refuses before anything else): the driver stops with the rank and the cause, and kills the other
     actors."""
-    from cluster import launch_on_ray
     from train import main
+    from wings.cluster import launch_on_ray
 
     gcs, _, _ = ray_head
     (tmp_path / "not_a_checkpoint").mkdir()
@@ -148,7 +148,8 @@ def test_a_failing_learner_actor_is_named(tiny, ray_head, tmp_path):
 def test_bundles_the_cluster_cannot_place_are_a_clear_error(tiny, ray_head, monkeypatch):
     """A GPU per learner on a CPU-only cluster: the placement group never becomes ready, and the driver says why
     instead of waiting forever (PLACEMENT_TIMEOUT_S shortened from 300 s)."""
-    import cluster
+    from wings import cluster
+
     from train import main
 
     gcs, _, _ = ray_head
@@ -158,8 +159,8 @@ def test_bundles_the_cluster_cannot_place_are_a_clear_error(tiny, ray_head, monk
 
 
 def test_no_cluster_at_the_address_is_a_clear_error(tiny):
-    from cluster import launch_on_ray
     from train import main
+    from wings.cluster import launch_on_ray
 
     port = free_ports(1)[0]                                        # nothing listens there
     with pytest.raises(ConnectionError, match=f"no Ray cluster at '127.0.0.1:{port}'"):
@@ -167,8 +168,8 @@ def test_no_cluster_at_the_address_is_a_clear_error(tiny):
 
 
 def test_learner_workers_under_torchrun_is_refused(tiny, monkeypatch):
-    from cluster import launch_on_ray
     from train import main
+    from wings.cluster import launch_on_ray
 
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="choose one launcher"):

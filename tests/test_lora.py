@@ -11,8 +11,8 @@ import torch
 from conftest import need
 
 from learner import LearnerConfig, load_checkpoint, make_learner, merged_state_dict, save_checkpoint, sft_step
-from lora import LoRALinear, apply_lora, load_adapter, save_adapter
 from model import Transformer
+from wings.lora import LoRALinear, apply_lora, load_adapter, save_adapter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_cases  # noqa: E402

@@ -28,9 +28,9 @@ import torch
 from agent import AgentConfig, run_episodes
 from conftest import need
 from model import ModelConfig, init_model, load_model, save_model
-from engine_openai import OpenAIEngine
 from rollout import SamplingParams, TorchEngine, make_engine, row_seeds
 from sft import write_tokenizer_files
+from wings.engine_openai import OpenAIEngine
 from test_agent import CalcEnv, calc_task, tok  # noqa: F401 (tok is a fixture)
 
 PAD = 0

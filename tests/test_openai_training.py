@@ -22,9 +22,9 @@ from tokenizers import Tokenizer
 from chat import pad_token_id
 from config import load_config
 from conftest import need
-from engine_openai import OpenAIEngine
 from rollout import SamplingParams, TorchEngine, make_engine
-from serve import TOKEN_ENV, Server
+from wings.engine_openai import OpenAIEngine
+from wings.serve import TOKEN_ENV, Server
 from test_openai_engine import free_port, serve_command, stop_server, wait_healthy
 from test_train import TINY
 

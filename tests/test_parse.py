@@ -1,4 +1,4 @@
-"""Tests for chat.py's tool-call parsing on bad model output: hand-written cases for each kind of damage,
+"""Tests for tool_calls.py's tool-call parsing on bad model output: hand-written cases for each kind of damage,
 parity of the repairing reader with json.loads on valid JSON, and property-based tests (hypothesis) over
 random and mutated tool calls: no exception escapes, time stays bounded, assistant_message always
 re-renders to the text it came from. The oracle for what a call should be is the call the text was
@@ -10,11 +10,11 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import chat
 import env as env_module
-from chat import (MAX_BLOCKS, MAX_PARSE_CHARS, _loads_lenient, make_action, parse_assistant_message, parse_tool_calls,
-                  render)
+import tool_calls
+from chat import make_action, parse_assistant_message, render
 from env import ToolCall
+from tool_calls import MAX_BLOCKS, MAX_PARSE_CHARS, loads_lenient, parse_tool_calls
 
 U = {"role": "user", "content": "What is 2 + 3?"}
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
@@ -338,7 +338,7 @@ JSON_VALUES = st.recursive(
 @given(st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4), st.booleans())
 def test_lenient_reader_matches_json_on_valid_json(obj, indent):
     text = json.dumps(obj, indent=2 if indent else None, ensure_ascii=bool(indent))
-    value, repairs = _loads_lenient(text, close_at_end=False)
+    value, repairs = loads_lenient(text, close_at_end=False)
     assert value == json.loads(text) and repairs == []
 
 
@@ -360,11 +360,11 @@ def messages(draw):
     for _ in range(draw(st.integers(0, 3))):
         name, arguments = draw(NAMES), draw(ARGUMENTS)
         calls.append(ToolCall(name, arguments))
-        parts.append(chat.tool_call_text({"name": name, "arguments": arguments}))
+        parts.append(tool_calls.tool_call_text({"name": name, "arguments": arguments}))
     text = "\n".join(parts)
     # names go into the JSON unescaped (as render() writes them); a blank name is refused
     readable = all(json.dumps(c.name, ensure_ascii=False) == f'"{c.name}"' and c.name.strip()
-                   and len(c.name) <= chat.MAX_NAME_CHARS for c in calls)
+                   and len(c.name) <= tool_calls.MAX_NAME_CHARS for c in calls)
     edits = draw(st.lists(st.tuples(st.sampled_from(["insert", "delete", "truncate", "quote", "duplicate"]),
                                     st.integers(0, 10**6), st.sampled_from(NASTY)), max_size=4))
     for op, where, piece in edits:
@@ -405,7 +405,7 @@ TRICKY_STRINGS = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", '"', "
 def test_strings_with_tags_quotes_and_backslashes_parse_exactly(specs, prefix):
     """Canonical calls whose strings hold tags, quotes and backslashes: exactly the calls they were made from."""
     calls_made = [ToolCall(name, arguments) for name, arguments in specs]
-    text = "\n".join(([prefix] if prefix else []) + [chat.tool_call_text({"name": c.name, "arguments": c.arguments})
+    text = "\n".join(([prefix] if prefix else []) + [tool_calls.tool_call_text({"name": c.name, "arguments": c.arguments})
                                                      for c in calls_made])
     calls, error, seconds = timed_parse(text)
     assert seconds < BOUND_S and rerenders(text)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from prefix_cache import PrefixCache, PrefixCachedEngine
 from rollout import SamplingParams, TorchEngine
+from wings.prefix_cache import PrefixCache, PrefixCachedEngine
 from test_rollout import PAD, PROMPTS, VOCAB, tiny_model
 
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import qlora
 from config import load_config
 from learner import LearnerConfig, load_checkpoint, make_learner, merged_state_dict, save_checkpoint, sft_step
-from lora import apply_lora
 from model import Transformer
-from qlora import (ABSMAX_BLOCK, BLOCK, NF4, NF4_MAX_GAP, NF4Linear, QLoRALinear, apply_qlora, dequantize_absmax,
-                   dequantize_blockwise, dequantize_nf4, dequantized_weight, pack4, quantize_absmax,
-                   quantize_blockwise, quantize_nf4, unpack4)
+from wings import qlora
+from wings.lora import apply_lora
+from wings.qlora import (ABSMAX_BLOCK, BLOCK, NF4, NF4_MAX_GAP, NF4Linear, QLoRALinear, apply_qlora, dequantize_absmax,
+                         dequantize_blockwise, dequantize_nf4, dequantized_weight, pack4, quantize_absmax,
+                         quantize_blockwise, quantize_nf4, unpack4)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_cases  # noqa: E402

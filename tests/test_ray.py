@@ -20,9 +20,9 @@ from test_train import tiny  # noqa: E402,F401  (the session's tiny default mode
 
 from agent import AgentConfig, run_episodes  # noqa: E402
 from env import ToyMathEnv, make_env, mix_seed  # noqa: E402
-from cluster import (EnvPool, NumpyWeights, WorkerSpec, dispatch, make_placement_group, push_weights,  # noqa: E402
-                     start_env_workers, start_rollout_workers)
 from rollout import SamplingParams, TorchEngine  # noqa: E402
+from wings.cluster import (EnvPool, NumpyWeights, WorkerSpec, dispatch, make_placement_group,  # noqa: E402
+                           push_weights, start_env_workers, start_rollout_workers)
 
 AGENT = AgentConfig(n_samples=2, max_turns=3, max_total_tokens=768)
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40)

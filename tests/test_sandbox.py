@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 
 import env
+from envs import sandbox_exec
 import sandbox
-import sandbox_exec
+
 from env import Action, Task, ToolCall, ToyMathEnv
-from sandbox_exec import ExecLimits, check_program, execute_python, run_python
+from envs.sandbox_exec import ExecLimits, check_program, execute_python, run_python
 
 SECRET = "canary-7f3a9c"  # must never come out of the sandbox
 AS_ROOT = os.geteuid() == 0

@@ -23,11 +23,11 @@ import torch
 from agent import AgentConfig, run_episodes
 from chat import encode, render
 from conftest import need
-from engine_openai import OpenAIEngine
 from model import save_model
 from rollout import SamplingParams, TorchEngine, assert_synced, logprob_gap, make_engine, row_seeds, sync_probe
-from serve import Server, session_trajectories
 from sft import write_tokenizer_files
+from wings.engine_openai import OpenAIEngine
+from wings.serve import Server, session_trajectories
 from test_agent import CalcEnv, ScriptedEngine, call_text, calc_task, three_turn_script, tok  # noqa: F401 (a fixture)
 from test_openai_engine import tiny_model
 
@@ -519,10 +519,10 @@ def test_cli_serves_a_checkpoint_folder(tok, model, tmp_path):
     folder = str(tmp_path / "model")
     save_model(model, folder)
     write_tokenizer_files(tok, folder, "qwen2.5")
-    bad = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(tmp_path / "nope")],
+    bad = subprocess.run([sys.executable, "-m", "wings.serve", "--checkpoint", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such folder" in bad.stderr
-    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", folder, "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "wings.serve", "--checkpoint", folder, "--port", "0",
                              "--served-model-name", MODEL], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "NANO_SKYRL_SERVE_TOKEN": TOKEN})
     try:

@@ -129,7 +129,7 @@ def test_kl_term_and_the_scoring_passes_under_shared_prefixes(model):
 
 
 def test_lora_adapters_get_the_same_gradient(model):
-    from lora import apply_lora
+    from wings.lora import apply_lora
     batch = batch_of("single")
     grads = []
     for share in (False, True):

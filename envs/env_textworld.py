@@ -62,8 +62,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from env import Action, Env, EnvState, Task, ToolCall, register_env, sample_distinct, tool_message
+from envs.worlds import replay_commands
 from tools import tool
-from worlds import replay_commands
 
 PIP_INSTALL = "pip install textworld==1.7.0"
 TEST_SEED = 1_000_000   # held-out games have seeds TEST_SEED + 0, 1, ...; train games 0, 1, ...: disjoint

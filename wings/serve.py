@@ -1,7 +1,7 @@
 """serve.py: an OpenAI-compatible HTTP server over any of our engines that records, per session, every token it
 samples (a wing of rollout.py and agent.py).
 
-    python serve.py --checkpoint runs/toy_math/final --port 8000      # a run's checkpoint or a Hugging Face folder
+    python -m wings.serve --checkpoint runs/toy_math/final --port 8000  # a run's checkpoint or a Hugging Face folder
 
 Endpoints (https://platform.openai.com/docs/api-reference, and vLLM's extensions of /v1/completions):
   POST /v1/chat/completions  messages + tools in OpenAI's format, rendered with chat.render, sampled by the engine,
@@ -23,8 +23,8 @@ think block, edited a message, re-ordered tools) one row per turn, each its own 
 (mask 1), counted in serve/branched. Rows hold only ids the engine saw or sampled, never re-tokenized text.
 
 Weights. In-process (colocated with the trainer), Server.update_weights(state_dict, version) is the engine's own
-update under the lock; remotely, a trainer sends the same to POST /v1/weights (engine_openai.OpenAIEngine.push). The Server answers
-`generate` like an engine, so rollout.sync_probe (through it, or through an OpenAIEngine over HTTP) and
+update under the lock; remotely, a trainer sends the same to POST /v1/weights (engine_openai.OpenAIEngine.push). The
+Server answers `generate` like an engine, so rollout.sync_probe (through it, or through an OpenAIEngine over HTTP) and
 rollout.logprob_gap check it after a push like any other engine. Docs: docs/serve.md.
 
 Imports: rollout.py, agent.py, chat.py, env.py, runs.py (the CLI's folder check) (and torch, safetensors,
@@ -49,11 +49,11 @@ from safetensors.torch import load as safetensors_load
 from tokenizers import Tokenizer
 
 from agent import Trajectory
-from chat import (CHAT_FORMATS, TOOL_CALL_OPEN, encode, make_action, pad_token_id, parse_assistant_message, render,
-                  turn_ends)
+from chat import CHAT_FORMATS, encode, make_action, pad_token_id, parse_assistant_message, render, turn_ends
 from env import Task
 from rollout import Generation, SamplingParams, make_engine
 from runs import check_model_folder
+from tool_calls import TOOL_CALL_OPEN
 
 TOKEN_ENV = "NANO_SKYRL_SERVE_TOKEN"      # the env var holding the bearer token of /v1/weights and /v1/sessions
 DRAIN_BYTES = 64 << 20                    # a refused body up to this size is read (and dropped) before the 413
@@ -440,7 +440,7 @@ class Server:
         """A sampled assistant text -> (OpenAI's assistant message, the parse error). Well-formed calls become
         tool_calls with their arguments as JSON strings written as chat.render writes them, so a client that sends
         the message back re-renders the very text sampled; a malformed call stays in the content, as text."""
-        action = make_action(text, self.chat_format)          # chat.parse_tool_calls for the Qwen formats
+        action = make_action(text, self.chat_format)          # tool_calls.parse_tool_calls for the Qwen formats
         calls, error = action.tool_calls, action.parse_error
         message = {"role": "assistant", "content": text}
         if calls and error is None:
@@ -659,7 +659,7 @@ def _handler(server: Server):
 # the command line
 
 def main(argv: list[str] | None = None):
-    """python serve.py --checkpoint DIR: serve a run's checkpoint (or any Hugging Face folder) with the torch
+    """python -m wings.serve --checkpoint DIR: serve a run's checkpoint (or any Hugging Face folder) with the torch
     engine until interrupted."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="a Hugging Face folder: config.json, tokenizer.json, weights")

@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 
 from agent import AgentConfig, Trajectory, finish_episodes
 from env import Env, Task, mix_seed
-from serve import RequestError, Server, Stops, session_trajectories
+from wings.serve import RequestError, Server, Stops, session_trajectories
 
 TIMEOUT_S = 600.0          # seconds an episode may run, unless the callable has a `timeout_s` attribute
 WORKERS = 32               # episodes running at once (threads); the engine still serves one call at a time

@@ -54,8 +54,9 @@ from itertools import accumulate, combinations
 
 from env import (Action, Env, EnvState, Task, ToolCall, assistant_message, register_env, sample_distinct, split_of,
                  tool_message)
+from envs.sandbox_exec import PLAIN_COPIER_SRC, ExecLimits, execute_python
 from sandbox import parse_python
-from sandbox_exec import PLAIN_COPIER_SRC, ExecLimits, execute_python
+from tools import tool
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -517,7 +518,16 @@ def extract_code(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The env
+# The env and its tool
+
+@tool("python_exec", "Run a Python program in a fresh sandbox.",
+      {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, bounded=True)
+def python_exec(env, state, code):
+    """Run `code` as a whole program in its own sandboxed process (execute_python); the state is unchanged. The
+    code worlds offer it (this env and env_humaneval.py): the reference path never starts a second sandbox."""
+    text, kind = execute_python(code, timeout_s=env.tool_timeout)
+    return state, text, kind
+
 
 # Plausible but wrong code: the random policy submits or runs one of these.
 JUNK = ("def f(x):\n    return x", "def f(x):\n    return x + 1", "def f(xs):\n    return sum(xs)",

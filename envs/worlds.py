@@ -1,6 +1,6 @@
 """worlds.py: what the worlds (env_*.py) share beyond env.py: an expert's actions replayed through step() into a
 demonstration (replay, replay_commands), the JSON-lines files they read (read_jsonl), and tasks as a dataset on disk
-(write_tasks, read_tasks; `python worlds.py <env> <split> <n>` writes one). The core never imports this file.
+(write_tasks, read_tasks; `python -m envs.worlds <env> <split> <n>` writes one). The core never imports this file.
 
 Imports: env.py.
 """
@@ -91,7 +91,7 @@ def read_tasks(path: str) -> list[Task]:
 
 if __name__ == "__main__":
     # Write an env's tasks as JSON lines, deterministically from the seed:
-    #   python worlds.py tool_use test 500 --seed 0 --out data/tool_use_test.jsonl [--kwargs '{"hops": 2}']
+    #   python -m envs.worlds tool_use test 500 --seed 0 --out data/tool_use_test.jsonl [--kwargs '{"hops": 2}']
     import argparse
     p = argparse.ArgumentParser(description="write an env's tasks as JSON lines")
     p.add_argument("env")

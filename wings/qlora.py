@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lora import LoRALinear, apply_lora
+from wings.lora import LoRALinear, apply_lora
 
 BLOCK = 64            # weights per absmax constant (the paper's blocksize 64)
 ABSMAX_BLOCK = 256    # absmax constants per second-level constant (the paper's blocksize 256 for double quantization)

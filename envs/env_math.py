@@ -65,8 +65,8 @@ from fractions import Fraction
 
 from env import (Env, EnvState, Task, ToolCall, answers_match, assistant_message, extract_answer, last_boxed,
                  parse_number, register_env, sample_distinct, split_of, tool_message)
+from envs.worlds import read_jsonl
 from tools import TOOLS
-from worlds import read_jsonl
 
 # ----------------------------------------------------------------------------------------------------
 # Words, the Problem container, and \boxed{} answers (both envs)
@@ -548,7 +548,7 @@ def write_sample_dataset(path: str, n: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    # Regenerate the sample file: python env_math.py data/sample_gsm8k.jsonl 200 --seed 0
+    # Regenerate the sample file: python -m envs.env_math data/sample_gsm8k.jsonl 200 --seed 0
     import argparse
     p = argparse.ArgumentParser(description="write a GSM8K-style sample dataset from the multistep generator")
     p.add_argument("out")

@@ -64,8 +64,8 @@ import re
 from dataclasses import dataclass, replace
 
 from env import Action, Env, EnvState, Task, ToolCall, register_env, sample_distinct, split_of
+from envs.worlds import replay
 from tools import TOOLS, tool
-from worlds import replay
 
 # ----------------------------------------------------------------------------------------------------
 # The database: frozen records, one printed line each

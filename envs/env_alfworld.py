@@ -50,8 +50,8 @@ import random
 from dataclasses import dataclass, replace
 
 from env import Action, Env, EnvState, Task, ToolCall, register_env, sample_distinct, split_of, tool_message
+from envs.worlds import replay_commands
 from tools import tool
-from worlds import replay_commands
 
 # ----------------------------------------------------------------------------------------------------
 # The vocabulary of the world

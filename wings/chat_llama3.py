@@ -40,7 +40,7 @@ Docs: docs/chat_formats.md. Imports: chat.py (its lenient JSON reader and parser
 import json
 import re
 
-from chat import MAX_BLOCKS, MAX_PARSE_CHARS, MAX_REPAIR_CHARS, _call_of, _read_lenient, _tojson
+from tool_calls import MAX_BLOCKS, MAX_PARSE_CHARS, MAX_REPAIR_CHARS, call_of, read_lenient, tojson
 from env import Action, ToolCall, assistant_message
 
 # -----------------------------------------------------------------------------
@@ -77,12 +77,12 @@ def tool_call_text(tool_call: dict) -> str:
             args = json.loads(args)
         except ValueError:
             pass                              # not JSON: written as a JSON string, as the template would
-    return '{"name": "' + fn["name"] + '", "parameters": ' + _tojson(args) + "}"
+    return '{"name": "' + fn["name"] + '", "parameters": ' + tojson(args) + "}"
 
 
 def _tool_result(content) -> str:
     # the template: `content | tojson` when content "is mapping or is iterable" (strings too), else as it is
-    return _tojson(content) if isinstance(content, (str, list, dict, tuple)) else str(content)
+    return tojson(content) if isinstance(content, (str, list, dict, tuple)) else str(content)
 
 
 def render(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
@@ -195,7 +195,7 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     for obj in objs:
         if isinstance(obj, dict) and "parameters" in obj and "arguments" not in obj:
             obj = {**obj, "arguments": obj["parameters"]}
-        call, problem, repairs = _call_of(obj)
+        call, problem, repairs = call_of(obj)
         if call is None:
             problems.append(problem)
         else:
@@ -233,7 +233,7 @@ def _read_objects(seg: str, problems: list[str]) -> tuple[list, bool]:
                 problems.append(strict_error + " (too long to repair)")
                 return [], False
             try:
-                values, repairs = _read_lenient(seg, close_at_end=False, max_values=MAX_BLOCKS, whole=False)
+                values, repairs = read_lenient(seg, close_at_end=False, max_values=MAX_BLOCKS, whole=False)
             except ValueError as lenient_error:
                 problems.append(f"{strict_error} (not repaired: {lenient_error}; a call cut short is never run)")
                 return [], False
