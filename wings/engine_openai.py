@@ -25,6 +25,19 @@ from safetensors.torch import save as safetensors_save, save_file
 from rollout import Generation, SamplingParams, check_state_dict, folder_push, row_seeds, with_tied_head
 
 
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: rollout.api_key_env and rollout.weights_dir belong to the openai engine, and the
+    token's variable must be set now, not at the first request or push. No choices of its own ([])."""
+    rollout = cfg.rollout
+    for leaf in ("api_key_env", "weights_dir"):
+        if getattr(rollout, leaf) and rollout.engine != "openai":
+            raise ValueError(f"rollout.{leaf} is for rollout.engine=openai (a server), not {rollout.engine!r}")
+    if rollout.api_key_env and not os.environ.get(rollout.api_key_env):
+        raise ValueError(f"rollout.api_key_env={rollout.api_key_env!r}: that environment variable is not set (it holds "
+                         "the server's bearer token, e.g. wings/serve.py's NANO_SKYRL_SERVE_TOKEN)")
+    return []
+
+
 class OpenAIEngine:
     """A client of an OpenAI-compatible `/v1/completions` endpoint, token ids in and token ids out, that pushes new
     weights into servers that take them.

@@ -53,7 +53,7 @@ class VLLMEngine:
     @classmethod
     def build(cls, model_dir: str, *, dtype: str = "float32", seed: int = 0, cache_dir: str | None = None,
               max_model_len: int = 2048, max_batch_size: int = 256, gpu_memory_utilization: float = 0.5, **_):
-        """rollout.make_engine's entry: the run's engine options (config.engine_options) -> the engine."""
+        """rollout.make_engine's entry: the run's engine options (rollout.engine_options) -> the engine."""
         return cls(model_dir, dtype=dtype, seed=seed, cache_dir=cache_dir, max_model_len=max_model_len,
                    max_num_seqs=max_batch_size, gpu_memory_utilization=gpu_memory_utilization)
 

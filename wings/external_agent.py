@@ -45,7 +45,7 @@ log-probs, kept-set sizes and weight versions, so group advantages, turn credit 
 unchanged. Weights go to the engine through the Server (update_weights under its lock), and the weight-sync gate
 probes the engine through it (generate), as for any rollout source. Docs: docs/external_agent.md.
 
-Imports: serve.py, agent.py, env.py (and the standard library).
+Imports: env.py, agent.py, wings/serve.py (and the standard library).
 """
 import importlib.util
 import math
@@ -60,6 +60,22 @@ from wings.serve import RequestError, Server, Stops, session_trajectories
 
 TIMEOUT_S = 600.0          # seconds an episode may run, unless the callable has a `timeout_s` attribute
 WORKERS = 32               # episodes running at once (threads); the engine still serves one call at a time
+
+
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: rollout.external_agent names a function in a Python file, played in this process,
+    synchronously (its file is checked by runs.check_paths, its function when load_agent imports it)."""
+    spec = cfg.rollout.external_agent
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"rollout.external_agent={spec!r} must look like path/to/agent.py:function")
+    if cfg.rollout.async_rollouts or cfg.ray.rollout_workers:
+        raise ValueError("rollout.external_agent runs your agent in this process, one batch at a time: it cannot go "
+                         "with rollout.async_rollouts or ray.rollout_workers")
+    if cfg.rollout.engine == "openai":
+        raise ValueError("rollout.external_agent trains the engine it serves in this process: rollout.engine must be "
+                         "torch or vllm, not openai")
+    return []
 
 
 def load_agent(spec: str):

@@ -22,25 +22,27 @@ Turned on by rollout.judge.model_path (with rollout.judge_weight > 0): train.bui
 rollout.wing("judge.LLMJudge").from_config(cfg), and hands it to agent.LocalRollouts, whose finish_episodes calls it
 in place of the envs' own judges. Docs: docs/judge.md.
 
-Imports: agent.py (Judgment), chat.py, config.py (check_rubric), env.py (Task, mix_seed), model.py, rollout.py, runs.py
-(check_model_folder).
+Imports: model.py, env.py (Task, mix_seed), tool_calls.py, chat.py, agent.py (Judgment), rollout.py, runs.py
+(check_model_folder) (and torch, tokenizers, the standard library).
 """
+import dataclasses
 import hashlib
 import json
 import os
 import re
+import string
 from dataclasses import replace
 
 import torch
 from tokenizers import Tokenizer
 
 from agent import Judgment
-from chat import encode, pad_token_id, render, tool_call_text, turn_ends
-from config import check_rubric   # the one rubric check, also run at load
+from chat import CHAT_FORMATS, encode, pad_token_id, render, turn_ends
 from env import Task, mix_seed
 from model import load_model
-from rollout import SamplingParams, make_engine
+from rollout import ENGINES, SamplingParams, make_engine
 from runs import check_model_folder
+from tool_calls import tool_call_text
 
 SCALE = 10                           # the rubric's scale: a bare "SCORE: 7" means 7 / SCALE
 FAILURE_SCORE = 0.0                  # the score of a reply that cannot be read (the lowest: see the docstring)
@@ -59,6 +61,55 @@ The conversation:
 Rate from 0 (useless or wrong) to 10 (correct, and the tools used sensibly). Judge correctness first; do not reward \
 length or politeness. Explain briefly, then end your reply with one line of the form
 SCORE: <an integer from 0 to 10>"""
+
+# -----------------------------------------------------------------------------
+# the settings (rollout.judge.*, config.JudgeConfig), checked here at load (config.WING_CHECKS)
+
+# what a rubric may name: {task} the user's request (the task's prompt), {conversation} the episode after the system
+# prompt, as text, {reference} the task's ground-truth answer (for reference-guided grading); LLMJudge fills them
+RUBRIC_FIELDS = ("task", "conversation", "reference")
+
+
+def check_rubric(rubric: str) -> str:
+    """`rubric` if it is a str.format template that names {conversation} and only RUBRIC_FIELDS; else a ValueError
+    naming rollout.judge.rubric (checked at load, and by LLMJudge for a rubric given in code)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(rubric) if name is not None}
+    except ValueError as e:
+        raise ValueError(f"rollout.judge.rubric is not a template ({e}): write a literal brace as {{{{ or }}}}")
+    if "conversation" not in names or not names <= set(RUBRIC_FIELDS):
+        raise ValueError(f"rollout.judge.rubric names {sorted(names)}: it must name {{conversation}}, and only "
+                         f"fields of {list(RUBRIC_FIELDS)}")
+    return rubric
+
+
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: every rollout.judge.* setting needs the judge on, a judge needs a weight in the
+    reward and this process's rollouts -> its choices (the engine, the chat format)."""
+    jc = cfg.rollout.judge
+    if not jc.model_path:
+        changed = [f.name for f in dataclasses.fields(jc) if getattr(jc, f.name) != getattr(type(jc)(), f.name)]
+        raise ValueError(f"rollout.judge.{changed[0]} is a setting of the LLM judge, which is off: set "
+                         "rollout.judge.model_path (docs/judge.md)")
+    if cfg.rollout.judge_weight <= 0:
+        raise ValueError("rollout.judge.model_path sets an LLM judge, but rollout.judge_weight is 0: set the weight of "
+                         "its score in the reward, e.g. rollout.judge_weight=0.5")
+    if cfg.ray.rollout_workers:
+        raise ValueError("rollout.judge.model_path: the LLM judge scores episodes played in this process; with "
+                         "ray.rollout_workers the workers would need one each (not supported): set "
+                         "ray.rollout_workers=0")
+    if jc.temperature < 0:
+        raise ValueError(f"rollout.judge.temperature={jc.temperature} must be >= 0 (0: greedy)")
+    if jc.max_tokens < 1:
+        raise ValueError(f"rollout.judge.max_tokens={jc.max_tokens} must be >= 1 (the judge's reply, in tokens)")
+    if jc.rubric:
+        check_rubric(jc.rubric)
+    return [("rollout.judge.engine", jc.engine, ("torch", *ENGINES)),
+            ("rollout.judge.chat_format", jc.chat_format, CHAT_FORMATS)]
+
+
+# -----------------------------------------------------------------------------
+# reading a reply, and the judge
 
 _NUMBER = r"(\d+(?:\.\d+)?)"
 _SCORE = re.compile(r"score\**\s*[:=]\s*\**\s*" + _NUMBER + r"(?:\s*/\s*" + _NUMBER + ")?", re.IGNORECASE)

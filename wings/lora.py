@@ -7,7 +7,7 @@ model's `adapter` (LoRAFiles: PEFT-compatible adapter files). train.build_learne
 asks for it. Docs: docs/lora.md.
 
 Shapes: r LoRA rank, in/out a linear layer's input/output features.
-Imports: learner.py (and torch, safetensors, the standard library).
+Imports: distributed.py (and torch, safetensors, the standard library).
 """
 import json
 import math
@@ -27,6 +27,15 @@ from distributed import is_main, is_sharded
 # only A (r, in) and B (out, r) trained. B starts at zero, so the wrapped model starts *equal* to the base.
 # The engine never sees LoRA: merged_state_dict folds W + s * B @ A into plain Hugging Face weights in
 # memory. Adapter files use PEFT's names and config, so `peft` (and vLLM's LoRA loader) read them.
+
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: LoRA's settings (learner.lora_rank, lora_alpha, lora_targets). No choices ([])."""
+    lc = cfg.learner
+    if lc.lora_rank < 0 or (lc.lora_rank and (lc.lora_alpha <= 0 or not lc.lora_targets)):
+        raise ValueError("learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
+                         "non-empty")
+    return []
+
 
 class LoRALinear(torch.nn.Module):
     """A frozen nn.Linear plus a trainable low-rank update. The frozen weight keeps its Hugging Face name

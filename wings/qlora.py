@@ -12,7 +12,7 @@ train.build_learner calls apply_qlora instead of lora.apply_lora when model.quan
 
 Shapes: N a weight's element count (out * in), nb = N / 64 blocks, ng = nb / 256 groups of absmax constants,
 r LoRA rank, in/out a linear layer's input/output features.
-Imports: lora.py (and torch, the standard library).
+Imports: wings/lora.py (and torch, the standard library).
 """
 from typing import NamedTuple
 
@@ -23,6 +23,17 @@ from wings.lora import LoRALinear, apply_lora
 
 BLOCK = 64            # weights per absmax constant (the paper's blocksize 64)
 ABSMAX_BLOCK = 256    # absmax constants per second-level constant (the paper's blocksize 256 for double quantization)
+
+
+def check_config(cfg) -> list:
+    """config.WING_CHECKS' hook: model.quantize is none or nf4, and an NF4 base has LoRA adapters to train."""
+    if cfg.model.quantize not in ("none", "nf4"):
+        raise ValueError(f"model.quantize={cfg.model.quantize!r} must be 'none' or 'nf4' (4-bit NormalFloat base, "
+                         "QLoRA)")
+    if cfg.model.quantize == "nf4" and not cfg.learner.lora_rank:
+        raise ValueError("model.quantize=nf4 freezes the base in 4 bits, so only LoRA adapters can train: set "
+                         "learner.lora_rank > 0 (e.g. learner.lora_rank=16 learner.lr=2e-3), or model.quantize=none")
+    return []
 
 
 # -----------------------------------------------------------------------------
