@@ -46,6 +46,7 @@ Papers:
 
 The families added after the first release live in their own sections below the DAPO extras:
 REINFORCE++ / distillation / turn-level advantages, off-policy corrections, sampling truncation.
+Imports: none of our files (torch, the standard library).
 """
 from dataclasses import dataclass
 

@@ -5,7 +5,7 @@ its argument, shard_model returns the model, on the GPU if there is one). Under 
 learner actors, cluster.py) rank 0 alone plays, evaluates, logs and writes; every rank joins the collectives: the
 batch's broadcast, the sharded forward and backward, the full state dict's gather. Docs: docs/scaling.md.
 
-Imports: torch only.
+Imports: none of our files (torch, the standard library).
 """
 import os
 

@@ -14,14 +14,15 @@ Env object serves any number of episodes at once. The agent loop, not the env, e
 Contents, top to bottom:
   1. Types that cross the file boundary: ToolCall, Action, Task, EnvState.
   (The tools live in tools.py: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON schemas:
-  python_eval, python_exec, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState).
-  The two Python sandboxes behind python_eval and python_exec live in sandbox.py and sandbox_exec.py.)
+  python_eval, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the EnvState); the sandbox
+  behind python_eval is sandbox.py. A world adds its own: the code worlds' python_exec, in envs/.)
   2. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the answer in
      free text).
   3. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
      `@register_env`, `make_env` (and `env_class`: the class alone), and `sample_distinct` (a split's distinct
      tasks). What only the worlds share (`replay` and `replay_commands`: an expert's actions played into a
-     demonstration; `read_jsonl`: the JSON-lines files they read; tasks as a dataset on disk) lives in worlds.py.
+     demonstration; `read_jsonl`: the JSON-lines files they read; tasks as a dataset on disk) lives in
+     envs/worlds.py.
   4. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with a
      hash-decided train/test split; the model should learn to call python_eval, then finish.
 

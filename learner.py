@@ -25,12 +25,11 @@ How one RL update works (train.py says where the batch and its old log-probs com
      and values (model.PrefixKV). The losses and gradients are those of whole rows (to rounding), so points 3 and 4
      hold unchanged; micro-batches are capped by rows and by token positions (microbatch.py).
 
-Sections: config and state; scoring; the RL update;
-the critic; SFT; the weights an engine loads; checkpoints. LoRA is a wing (lora.py), reached through two hooks: a
-module's fold_into (merged_state_dict) and a model's adapter (save_checkpoint, load_checkpoint).
-Shapes: B sequences, T tokens.
-Imports: model.py (the network, save/load), algos.py (the losses), microbatch.py (which rows run together) and
-distributed.py (torchrun, FSDP2) only.
+Sections: config and state; scoring; the RL update; the critic; SFT; the weights an engine loads; checkpoints. LoRA
+is a wing (wings/lora.py), reached through two hooks: a module's fold_into (merged_state_dict) and a model's adapter
+(save_checkpoint, load_checkpoint). Shapes: B sequences, T tokens.
+Imports: model.py (the network, save/load), algos.py (the losses), microbatch.py (which rows run together),
+distributed.py (torchrun, FSDP2).
 """
 import copy
 import glob
@@ -67,7 +66,7 @@ class LearnerConfig:
                                           # (pages mapped and freed each step). Does not change the result. 0: rows only
     shared_prefix: bool = True            # rows that share their first tokens (a group's prompt; in multi-turn every
                                           # token before the first sampled one, and more where samples agree) run
-                                          # them once per micro-batch, each row attending to them (shared_prefixes);
+                                          # them once per micro-batch, each row attending to them (microbatch.py);
                                           # same losses and gradients up to float rounding. False: every row whole
     mini_batches: int = 1                 # optimizer steps per RL batch (PPO mini-batches)
     ppo_epochs: int = 1                   # passes over the RL batch
@@ -113,8 +112,7 @@ class TrainBatch:
     loss_mask: torch.Tensor               # (B, T) float, 1 on tokens the policy sampled
     advantages: torch.Tensor              # (B, T) float, advantage of each token (0 where mask is 0)
     old_logprobs: torch.Tensor | None = None  # (B, T) pi_old, the ratio's denominator: the learner's log-probs of the
-                                          # batch before this update (compute_logprobs); required by train_step
-                                          # unless old_from_update
+                                          # batch before this update (compute_logprobs), unless old_from_update
     engine_logprobs: torch.Tensor | None = None  # (B, T) the log-probs of the engine that sampled the tokens (the
                                           # behaviour policy); for cfg.off_policy (its weights and metrics)
     ref_logprobs: torch.Tensor | None = None  # (B, T) the frozen reference policy's log-probs; used only when
@@ -122,9 +120,8 @@ class TrainBatch:
     old_from_update: bool = False         # no old_logprobs: the update is exactly on-policy (old_logprobs_needed is
                                           # False) and takes pi_old = its own log-probs, detached
     kept_sizes: torch.Tensor | None = None  # (B, T) long, the size of the top-k / top-p set each token was sampled
-                                          # from (0: whole vocabulary); the policy's log-probs (new, and old when
-                                          # scored) are then of that truncated distribution (truncated_score). None:
-                                          # no truncation
+                                          # from (0: whole vocabulary; None: no truncation); the policy's log-probs
+                                          # are then of that truncated distribution (truncated_score)
 
 
 def make_learner(model: torch.nn.Module, cfg: LearnerConfig, seed: int, ref_model: Transformer | None = None) -> LearnerState:

@@ -9,6 +9,7 @@ change the update (learner.py's docstring, points 3 to 5), so this is free to pi
   positions_run       the token positions a micro-batch needs and the ones it runs (perf/pad_fraction)
 
 Shapes: B rows, T tokens. Imports: model.py (SharedPrefix) and distributed.py (ranks) only.
+Imports: model.py, distributed.py (and torch, the standard library).
 """
 from typing import NamedTuple
 

@@ -14,6 +14,7 @@ References
 
 Shapes: B batch, T tokens (queries), Tk keys (cached + new), H hidden, V vocab,
         nh query heads, nkv key/value heads, hd head dim, I MLP width.
+Imports: none of our files (safetensors, torch, the standard library).
 """
 import json
 import math
@@ -223,7 +224,7 @@ class KVCache:
 
 
 class SharedPrefix(NamedTuple):
-    """Which rows of a batch continue a prefix computed once (token_logprobs' `shared`; learner.shared_prefixes
+    """Which rows of a batch continue a prefix computed once (token_logprobs' `shared`; microbatch._layout
     builds it). Prefix g is input_ids[lead[g], :lens[g]]; row b continues prefix group[b] from position
     lens[group[b]] on, for `cont` positions at most (what the rows' scored tokens need)."""
     lead: torch.Tensor      # (n,) long, the row whose first lens[g] tokens are prefix g

@@ -3,6 +3,7 @@
 save_curves(history, path) draws two panels over steps: training reward (mean rollout reward per step)
 and held-out accuracy (at each eval). Both are rewards in [0, 1], so the y axes are fixed to [0, 1].
 Text uses a 3x5 pixel font scaled up; enough for titles and tick labels.
+Imports: none of our files (numpy, the standard library).
 """
 import struct
 import zlib

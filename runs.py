@@ -17,7 +17,8 @@ Nothing is lost when a run is killed (preemption, OOM, Ctrl-C, SIGKILL) at any m
     episode dumps after it are removed, so the logs always match the weights (and wandb resumes the same run).
 Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks. At the end of the file:
 the two perf metrics that describe the run's device, the peak FLOP/s behind perf/mfu and perf/peak_memory_gib.
-Imports: learner.py (checkpoints) and plot.py (the curves).
+Imports: model.py, plot.py (the curves), distributed.py, env.py, learner.py (checkpoints) (and torch, wandb, yaml,
+the standard library).
 """
 import dataclasses
 import glob
@@ -471,6 +472,14 @@ class PerfMeter:
             out["perf/mfu"] = train_flops(model, lengths) * epochs / max(seconds, 1e-9) / (self.peak * self.world)
         out["perf/peak_memory_gib"] = peak_memory_gib(self.device)
         return out
+
+    def times(self, batch, rollout: float, train: float, sync: float, step: float, elapsed: float) -> dict:
+        """The wall-clock metrics of one step (seconds of each phase, tokens per second) for agent.RolloutBatch
+        `batch`, and the processes that trained it."""
+        return {"perf/sync_seconds": sync, "perf/rollout_seconds": rollout, "perf/train_seconds": train,
+                "perf/step_seconds": step, "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(rollout, 1e-9),
+                "perf/train_tokens_per_s": int(batch.lengths.sum()) / max(train, 1e-9),
+                "perf/elapsed_minutes": elapsed / 60, "perf/world_size": self.world}
 
 
 def peak_memory_gib(device: torch.device) -> float:

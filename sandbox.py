@@ -12,9 +12,10 @@ Both return short text (results, or "Error: ..."); nothing raises into the agent
 security boundary against a determined attacker (see each file's section comment, and docs/sandbox.md).
 Shared with sandbox_exec.py: SAFE_BUILTINS, parse_python and its lock (_PARSE_LOCK), _parse_source.
 
-Imports: the standard library only; tools.py registers these as tools. POSIX only (process groups, resource
-limits). The worker runs functions of this file sent as source (inspect.getsource), so this file must be
-present as .py at run time.
+POSIX only (process groups, resource limits). The worker runs functions of this file sent as source
+(inspect.getsource), so this file must be present as .py at run time; tools.py registers python_eval.
+
+Imports: none of our files (the standard library).
 """
 import ast
 import atexit
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -66,17 +68,21 @@ def parse_python(source: str, mode: str = "exec") -> ast.AST:
     shared by the whole interpreter, so two threads parsing at once (graders in a thread pool) can fail with
     "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905; seen in CI). Every parse in
     this process takes the lock; the single-threaded children call ast.parse (they get their source alone)."""
-    with _PARSE_LOCK:
-        return ast.parse(source, mode=mode)
+    with _PARSE_LOCK, warnings.catch_warnings():   # the lock keeps the filter change to this parse
+        warnings.simplefilter("ignore")            # model-written code's SyntaxWarnings ("invalid decimal literal")
+        return ast.parse(source, mode=mode)        # are its own business, not the run's output
 
 
 def _parse_source(code: str, max_chars: int, what: str):
     """-> (ast tree, None), or (None, why it cannot be parsed). The parser is the first thing model-written
     code reaches, so length is bounded before it. Both checks use it, and both children get its source."""
+    import warnings
     if len(code) > max_chars:
         return None, f"{what} longer than {max_chars} characters"
     try:
-        return ast.parse(code), None
+        with warnings.catch_warnings():     # a model's SyntaxWarnings stay in the sandbox, not in the run's output
+            warnings.simplefilter("ignore")
+            return ast.parse(code), None
     except SyntaxError as e:
         return None, f"SyntaxError: {e.msg} (line {e.lineno})"
     except ValueError as e:  # null bytes

@@ -20,6 +20,7 @@ tokenizer_config.json with the chat template, generation_config.json) that trans
 It is cached under `model.cache_dir` by a hash of everything that determines it.
 
 Shapes: B sequences, T tokens.
+Imports: model.py, distributed.py, env.py, chat.py, agent.py, rollout.py, learner.py (and tokenizers, torch, the standard library).
 """
 import dataclasses
 import hashlib
@@ -154,13 +155,7 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
 
     # --- 3. tiny Qwen2 model
     pad_id = tokenizer.token_to_id("<|endoftext|>")
-    mcfg = ModelConfig(model_type="qwen2", vocab_size=tokenizer.get_vocab_size(), hidden_size=sft.hidden_size,
-                       intermediate_size=sft.intermediate_size, num_hidden_layers=sft.num_layers,
-                       num_attention_heads=sft.num_heads, num_key_value_heads=sft.num_kv_heads,
-                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, attention_bias=True, qk_norm=False,
-                       bos_token_id=pad_id, eos_token_id=tokenizer.token_to_id("<|im_end|>"), pad_token_id=pad_id)
-    model = init_model(mcfg, seed=sft.seed)
+    model = init_model(tiny_qwen2(sft, tokenizer), seed=sft.seed)
     lcfg = LearnerConfig(lr=sft.lr, warmup_steps=20, micro_batch_size=sft.batch_size)
     state = make_learner(model, lcfg, seed=sft.seed)
     engine = make_engine("torch", out, pad_id=pad_id, model=model, max_batch_size=cfg.rollout.max_batch_size)
@@ -201,6 +196,18 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     os.replace(tmp, out)
     log(f"[sft] default model written to {out} in {time.time() - t0:.0f} s")
     return out
+
+
+def tiny_qwen2(sft, tokenizer: Tokenizer) -> ModelConfig:
+    """The embedded default model's architecture: a Qwen2 of cfg.sft's sizes over the tokenizer's vocabulary, its
+    embeddings tied to the head, <|endoftext|> its padding and <|im_end|> its end of turn."""
+    pad_id = tokenizer.token_to_id("<|endoftext|>")
+    return ModelConfig(model_type="qwen2", vocab_size=tokenizer.get_vocab_size(), hidden_size=sft.hidden_size,
+                       intermediate_size=sft.intermediate_size, num_hidden_layers=sft.num_layers,
+                       num_attention_heads=sft.num_heads, num_key_value_heads=sft.num_kv_heads,
+                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, attention_bias=True, qk_norm=False,
+                       bos_token_id=pad_id, eos_token_id=tokenizer.token_to_id("<|im_end|>"), pad_token_id=pad_id)
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, path: str, chat_format: str) -> None:

@@ -1,11 +1,12 @@
 """tools.py: the tools an agent calls: the name -> Tool registry TOOLS, filled by `@tool` with OpenAI-style JSON
-schemas, and the built-in tools python_eval, python_exec, finish, calculator (exact arithmetic, no Python) and
-scratchpad (notes in the EnvState); validate_arguments checks a call's arguments against its tool's schema.
+schemas, and the built-in tools python_eval, finish, calculator (exact arithmetic, no Python) and scratchpad (notes
+in the EnvState); validate_arguments checks a call's arguments against its tool's schema. A world registers its own
+tools the same way (the code worlds' python_exec is envs/env_code.py's).
 
 A world adds a tool by decorating `fn(env, state, **arguments) -> (state, text, error_kind | None)` with
 `@tool(name, description, parameters)` and naming it in its Env's `tool_names`; env.py's Env dispatches the calls.
 
-Imports: sandbox.py, sandbox_exec.py.
+Imports: sandbox.py (and the standard library).
 """
 import ast
 import math

@@ -5,37 +5,32 @@
 The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS), each step:
   1. rollouts      prompts_per_step tasks, n_samples episodes each (a group), multi-turn with tools, token-exact
                    (agent.py). DAPO's dynamic sampling drops groups whose rewards are all equal and samples more.
-  2. advantages    compute_advantages: the episode reward (+ DAPO's overlong penalty, - a KL to the reference
-                   when algo.kl_in_reward), then a group baseline broadcast to the episode's sampled tokens (GRPO,
-                   Dr.GRPO, RLOO; with algo.credit=turn one baseline per turn position, each turn's tokens getting
-                   their turn's return minus it), returns whitened over the batch (REINFORCE++), or GAE over a
-                   critic's values (PPO); plus, with algo.teacher_path, distill_coef * (log pi_teacher - log pi)
-                   per token (on-policy distillation). It also scores the batch before the update:
-                   the learner's log-probs (pi_old, the ratio's denominator) and the reference policy's.
+  2. advantages    compute_advantages: first every forward pass it needs (the reference's log-probs for a KL, the
+                   learner's pi_old, a teacher's, a critic's values), then the math: the episode reward (+ DAPO's
+                   overlong penalty, - a KL when algo.kl_in_reward) less a group baseline, broadcast to the episode's
+                   sampled tokens (GRPO, Dr.GRPO, RLOO; per turn with algo.credit=turn), or returns whitened over the
+                   batch (REINFORCE++), or GAE (PPO); plus a teacher's per-token term (algo.teacher_path).
   3. update        learner.train_step: the clipped policy loss over mini-batches and epochs (and the critic's step).
                    A batch in which no group has mixed rewards has zero advantages: it is skipped.
-  4. push + gate   the new weights go to the engine (or it reads the learner's own parameters: shares_engine_model),
-                   then the weight-sync gate (rollout.py): engine and learner must agree on a few continuations.
+  4. push + gate   the new weights go to the engine (or it reads the learner's own parameters), then the weight-sync
+                   gate (rollout.py): engine and learner must agree on a few continuations.
   5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
 Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
-episode (a multi-turn episode is one "response" with the observations masked out; algo.credit=turn credits
-each turn with its own return instead; an episode whose history a client rewrote between turns trains as several
-rows, each given its episode's advantage: agent.RolloutBatch.episode_rows); batches without signal are skipped, not
-stepped with a zero gradient.
+episode (a multi-turn episode is one "response" with the observations masked out; an episode may train as several
+rows, each given its episode's advantage: agent.RolloutBatch.episode_rows); batches without signal are skipped.
 
-Who does what: a rollout source plays the episodes (agent.LocalRollouts), a schedule says when each step's batch is
-sampled and when weights are pushed (SyncSchedule). Wings answer the same calls, reached by name (rollout.wing) when
-the config turns them on: cluster.RayRollouts, async_rollouts.AsyncSchedule, lora.apply_lora (qlora.apply_qlora),
-judge.LLMJudge, external_agent.ExternalRollouts. Under torchrun every rank runs this main(): rank 0 alone plays,
-evaluates, logs and writes, every rank takes its share of the update.
-Every random draw is mix_seed(seed, step, purpose), so a resumed run repeats exactly what an uninterrupted one does.
-
-Outputs: the run folder runs/<run_name>/ (runs.py lists what is in it). Shapes: B rows (episodes), T tokens, G group
-size.
+A rollout source plays the episodes (agent.LocalRollouts), a schedule says when a batch is sampled and weights are
+pushed (SyncSchedule); wings answer the same calls, reached by name (rollout.wing). Under torchrun every rank runs
+main(): rank 0 alone plays, evaluates and writes; every rank takes its share of the update. Every random draw is
+mix_seed(seed, step, purpose): a resumed run repeats an uninterrupted one exactly. Outputs: runs/<run_name>/
+(runs.py). Shapes: B rows (episodes), T tokens, G group size.
+Imports: agent.py, chat.py, config.py, distributed.py, env.py, eval.py, learner.py, model.py, rollout.py, runs.py,
+sft.py, algos.py.
 """
 import argparse
 import copy
+import functools
 import os
 import time
 
@@ -46,7 +41,7 @@ from tqdm import tqdm
 import algos
 from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
 from chat import pad_token_id
-from config import Config, config_exit, engine_options, learner_configs, load_config
+from config import Config, config_exit, learner_configs, load_config
 from distributed import broadcast_object, cleanup_distributed, get_world_size, init_distributed, is_main, shard_model
 from env import make_env, mix_seed, sample_mixture
 from eval import heldout_tasks, run_eval
@@ -54,7 +49,7 @@ from learner import (Critic, LearnerState, TrainBatch, ValueBatch, compute_logpr
                      infer_kept_sizes, load_checkpoint, make_learner, merged_state_dict, old_logprobs_needed,
                      set_precision, train_step, truncated_score)
 from model import load_model
-from rollout import SamplingParams, assert_synced, default_sync_threshold, logprob_gap, make_engine, sync_probe, wing
+from rollout import SamplingParams, engine_options, make_engine, weight_sync_gate, wing
 from runs import (Logger, PerfMeter, check_file, check_paths, checkpoint_step, finish_run, resolve_resume,
                   save_run_checkpoint, write_config)
 from sft import model_folder
@@ -67,11 +62,9 @@ SEED_TASKS, SEED_EPISODES, SEED_SYNC_PROBE = 1, 2, 3   # a step's draws: mix_see
 
 def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list, dict]:
     """prompts_per_step groups of n_samples episodes -> (trajectories group-major, rollout/* and dispatch/* metrics).
-    A group with a failed episode (its env's reset or step raised) is dropped whole, never half-trained: the batch
-    is what it would be without that group, and more prompts are sampled in its place, up to
-    algo.max_refill_rounds extra rounds (rollout/failed_episodes, rollout/dropped_groups count them over all rounds).
-    With algo.dynamic_sampling (DAPO), groups whose rewards are all equal (no group-advantage signal) are dropped and
-    refilled the same way. The batch may end smaller; with no group left it is an error, naming the failures."""
+    A group with a failed episode (its env raised) is dropped whole, never half-trained, and more prompts are sampled
+    in its place, up to algo.max_refill_rounds extra rounds; so are groups whose rewards are all equal with DAPO's
+    algo.dynamic_sampling. The batch may end smaller; with no group left it is an error, naming the failures."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.agent.n_samples
     # no params.seed: the agent loop seeds every turn's call from the episodes' seed (agent.play_episodes)
     params = SamplingParams.of(cfg.rollout)
@@ -103,8 +96,7 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
 
 class SyncSchedule:
     """When each step's batch is sampled and when weights are pushed, the reference way: batch s is sampled when step
-    s begins, from the weights after update s-1; an update is pushed before the next batch is sampled.
-    async_rollouts.AsyncSchedule answers the same calls with batches sampled ahead (rollout.async_rollouts)."""
+    s begins, from the weights after update s-1 (wings/async_rollouts.AsyncSchedule samples ahead)."""
     overlaps = False         # the engine idles during the update: it may sleep (on a GPU the learner gets its memory)
 
     def __init__(self, collect):
@@ -138,23 +130,23 @@ class SyncSchedule:
 def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, critic: LearnerState | None,
                        teacher: torch.nn.Module | None = None) -> tuple[TrainBatch, ValueBatch | None, dict, bool]:
     """Rewards -> per-token advantages, and what the update scores against -> (TrainBatch, ValueBatch or None,
-    metrics, whether any advantage is non-zero). The one owner of the log-probs before the update: the learner's
-    (pi_old), the reference policy's (for the KL, in the reward or in the loss) and the teacher's (distillation)."""
+    metrics, whether any advantage is non-zero). First every forward pass the math needs, each once (the one owner
+    of the log-probs before the update): the reference policy's (the KL), the learner's (pi_old), the teacher's
+    (distillation), the critic's values (PPO); then the math, in algos.py."""
     lc, G, mask, metrics = cfg.learner, cfg.rollout.agent.n_samples, batch.loss_mask, {}
     rewards = batch.rewards.clone()                                                # (B,)
-    episode, last = batch.episode_rows()                       # (B,) each row's episode, (E,) each episode's last row
+    episode, last_row = batch.episode_rows()                   # (B,) each row's episode, (E,) each episode's last row
     if batch.length_cut is not None:                                               # keep, mask or penalize the
         rewards, mask = algos.truncation_treatment(rewards, mask, batch.length_cut,   # episodes a length limit cut
                                                    cfg.algo.truncation, cfg.algo.truncation_penalty)
-    if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
-        rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
-    # top-k / top-p: the policy is scored on the truncated sets it sampled from (vLLM's sizes are inferred here);
-    # the reference and the teacher stay on the full vocabulary (learner.py, "scoring")
+
+    # --- the forward passes. top-k / top-p: the policy is scored on the truncated sets it sampled from (vLLM's
+    # sizes are inferred here); the reference and the teacher stay on the full vocabulary (learner.py, "scoring")
     set_sizes = None                                                               # (B, T)
     if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):
         set_sizes = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,
-                                lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
-                                lc.max_tokens_per_micro_batch, lc.shared_prefix)
+                                     lc.micro_batch_size, lc.temperature, lc.logprob_chunk_size,
+                                     lc.max_tokens_per_micro_batch, lc.shared_prefix)
     trunc = {} if set_sizes is None else dict(score=truncated_score, score_args=set_sizes)
 
     def score(model, **kw) -> torch.Tensor:        # (B, T) a model's log-probs of the trained tokens, micro-batched
@@ -164,7 +156,14 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     old = None                                                                     # exactly on-policy: the update
     if old_logprobs_needed(lc) or cfg.algo.kl_in_reward or teacher is not None:   # takes pi = pi_old, detached
         old = score(policy.model, **trunc)                                         # (B, T) pi_old
+    teacher_logprobs = score(teacher) if teacher is not None else None             # (B, T)
+    old_values = (compute_values(critic.model, batch.input_ids, lc.micro_batch_size)    # (B, T) PPO's critic
+                  if cfg.algo.advantage == "gae" else None)
     metrics["perf/old_logprob_pass"] = float(old is not None)
+
+    # --- the math (algorithm code: algos.py)
+    if cfg.algo.overlong_cache:                                                    # DAPO soft overlong punishment
+        rewards += algos.overlong_penalty(batch.lengths, cfg.rollout.agent.max_total_tokens, cfg.algo.overlong_cache)
     token_kl = None
     if cfg.algo.kl_in_reward:                                                      # KL as a reward penalty
         token_kl = algos.kl_penalty(old, ref, lc.kl_kind) * mask                   # (B, T)
@@ -172,18 +171,17 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
     values = None
     if cfg.algo.advantage == "gae":                                                # PPO: a critic's baseline
         token_rewards = torch.zeros_like(mask)                                     # (B, T)
-        last = (mask * torch.arange(mask.shape[1])).argmax(1)                      # (B,) last generated token
-        token_rewards[torch.arange(len(rewards)), last] = rewards                  # reward on the last token
+        last_token = (mask * torch.arange(mask.shape[1])).argmax(1)                # (B,) last generated token
+        token_rewards[torch.arange(len(rewards)), last_token] = rewards            # reward on the last token
         if token_kl is not None:
             token_rewards -= lc.kl_coef * token_kl
-        old_values = compute_values(critic.model, batch.input_ids, lc.micro_batch_size)  # (B, T)
         adv, returns = algos.compute_gae(token_rewards, old_values, mask, cfg.algo.gamma, cfg.algo.lam)  # (B, T) x2
         adv = algos.whiten(adv, mask)
         values = ValueBatch(batch.input_ids, mask, old_values, returns)
         informative = True
     elif cfg.algo.advantage.startswith("reinforce_pp"):                            # REINFORCE++: KL per token
         if cfg.algo.advantage == "reinforce_pp_baseline":                         # baseline: the group mean
-            rewards = algos.group_advantages(rewards[last], G, "drgrpo")[episode]   # (B,) R - group mean
+            rewards = algos.group_advantages(rewards[last_row], G, "drgrpo")[episode]   # (B,) R - group mean
         adv = algos.reinforce_pp_advantages(rewards, token_kl, mask, lc.kl_coef, cfg.algo.gamma)  # (B, T)
         informative = bool((adv != 0).any())                                       # whitened over the batch
     elif cfg.algo.advantage == "none":                                             # the teacher's term alone
@@ -195,10 +193,10 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
             adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma, cfg.algo.turn_baseline)   # (B, T)
             informative = bool((adv != 0).any())
         else:
-            adv = algos.group_advantages(rewards[last], G, cfg.algo.advantage)[episode][:, None] * mask  # (B, T)
-            informative = bool(algos.dynamic_sampling_mask(batch.rewards[last], G).any())
+            adv = algos.group_advantages(rewards[last_row], G, cfg.algo.advantage)[episode][:, None] * mask  # (B, T)
+            informative = bool(algos.dynamic_sampling_mask(batch.rewards[last_row], G).any())
     if teacher is not None:                                                        # on-policy distillation
-        adv, m = algos.distillation_advantages(old, score(teacher), mask, adv, cfg.algo.distill_coef)   # (B, T)
+        adv, m = algos.distillation_advantages(old, teacher_logprobs, mask, adv, cfg.algo.distill_coef)   # (B, T)
         metrics["train/distill_reverse_kl"] = float(m["distill_reverse_kl"])
         informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
@@ -214,60 +212,38 @@ def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float
     Episodes are read from their last rows, turns numbered within the episode (RolloutBatch.episode_rows)."""
     episode, last_row = batch.episode_rows()                                              # (B,), (E,)
     turn_rewards, turn_mask = batch.turn_rewards[last_row].clone(), batch.turn_mask[last_row]   # (E, K)
-    last = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)                # (E,) last turn taken
-    turn_rewards[torch.arange(len(last_row)), last] += (rewards - batch.rewards)[last_row]
+    last_turn = (turn_mask * torch.arange(1, turn_mask.shape[1] + 1)).argmax(1)           # (E,) last turn taken
+    turn_rewards[torch.arange(len(last_row)), last_turn] += (rewards - batch.rewards)[last_row]
     adv = algos.turn_advantages(turn_rewards, turn_mask, G, gamma, baseline, batch.turn_states[last_row])   # (E, K)
     return algos.broadcast_turns(adv[episode], batch.turn_index)                          # (B, T)
 
 
 # -----------------------------------------------------------------------------
-# 4. push + gate (5. eval: eval.run_eval; logs and checkpoints: runs.py)
-
-def check_weight_sync(cfg: Config, rollouts, policy: LearnerState, trajs: list, step: int) -> dict:
-    """The weight-sync gate, after a push: rank 0's engine continues the longest trajectory of a few groups by
-    sync_check_tokens, and every rank's learner scores those tokens (a sharded forward needs them all); a
-    log-prob gap past the threshold stops the run."""
-    probe = None
-    if is_main():
-        longest = sorted(trajs[::cfg.rollout.agent.n_samples], key=lambda t: len(t.token_ids), reverse=True)
-        params = SamplingParams.of(cfg.rollout, top_p=1.0, top_k=0, max_tokens=cfg.rollout.sync_check_tokens,
-                                   seed=mix_seed(cfg.seed, step, SEED_SYNC_PROBE))
-        probe = sync_probe(rollouts, [t.token_ids for t in longest[:cfg.rollout.sync_check_samples]], params)
-    prompts, gens, temperature = broadcast_object(probe)
-    threshold = cfg.rollout.sync_max_logprob_diff
-    threshold = default_sync_threshold(cfg.model.dtype, cfg.learner.precision) if threshold is None else threshold
-    gap = logprob_gap(policy.model, prompts, gens, temperature)
-    return {"sync/logprob_abs_diff": assert_synced(gap, threshold, len(gens))}
-
-
-# -----------------------------------------------------------------------------
 # building the learner, the rollout source and the schedule
 
-def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_cfg, shared: bool
+def build_learner(cfg: Config, model_dir: str, resume: str, policy_cfg, critic_cfg, engine_reads_learner: bool
                   ) -> tuple[LearnerState, LearnerState | None, torch.nn.Module | None]:
-    """-> (the policy's learner state, PPO's critic or None, the model of an in-process torch engine or None). The
-    reference, the critic and the engine start from the base model; LoRA wraps only the policy, sharding (torchrun)
-    comes after, and a resumed run's states are loaded from `resume`. The engine's model is the policy's own module
-    when `shared` (shares_engine_model), else a copy."""
+    """-> (the policy's learner state, PPO's critic or None, the model of an in-process torch engine or None). All
+    start from the base model; LoRA wraps only the policy, then sharding (torchrun), then `resume`'s states. The
+    engine's model is the policy's own module when `engine_reads_learner` (shares_engine_model), else a copy."""
     model = load_model(model_dir, dtype=getattr(torch, cfg.model.dtype))
     ref_model = copy.deepcopy(model) if cfg.learner.kl_coef > 0 else None
     critic = None
     if cfg.algo.advantage == "gae":                   # PPO: a critic initialised from the policy backbone
         critic = make_learner(shard_model(Critic(model), critic_cfg), critic_cfg, seed=cfg.seed + 1)
-    in_process = is_main() and cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers
-    engine_model = (model if shared else copy.deepcopy(model).eval()) if in_process else None
-    if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights
-        lc = cfg.learner
-        # model.quantize=nf4: the same adapters on a base stored in 4 bits (QLoRA)
+    in_process = is_main() and cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers   # rank 0's own engine
+    engine_model = (model if engine_reads_learner else copy.deepcopy(model).eval()) if in_process else None
+    if cfg.learner.lora_rank:                         # only the adapters train; the engine gets merged weights (QLoRA:
+        lc = cfg.learner                              # the same adapters on a base stored in 4 bits, model.quantize)
         wrap = wing("wings.qlora.apply_qlora") if cfg.model.quantize == "nf4" else wing("wings.lora.apply_lora")
         wrap(model, lc.lora_rank, lc.lora_alpha, lc.lora_dropout, tuple(lc.lora_targets), seed=cfg.seed)
-    model = shard_model(model, learner_cfg)           # one process: unsharded, on the GPU if there is one
-    ref_model = shard_model(ref_model, learner_cfg) if ref_model is not None else None
+    model = shard_model(model, policy_cfg)            # one process: unsharded, on the GPU if there is one
+    ref_model = shard_model(ref_model, policy_cfg) if ref_model is not None else None
     if engine_model is not None:                      # where the learner computes: rank 0's GPU, or the CPU
         engine_model.to(next(model.parameters()).device)
-    policy = make_learner(model, learner_cfg, seed=cfg.seed, ref_model=ref_model)
+    policy = make_learner(model, policy_cfg, seed=cfg.seed, ref_model=ref_model)
     if engine_model is not None:                      # the engine samples in the learner's precision
-        set_precision(engine_model, learner_cfg.precision)
+        set_precision(engine_model, policy_cfg.precision)
     if resume:
         policy = load_checkpoint(policy, resume)
         if critic is not None:
@@ -276,17 +252,15 @@ def build_learner(cfg: Config, model_dir: str, resume: str, learner_cfg, critic_
 
 
 def shares_engine_model(cfg: Config) -> bool:
-    """Whether the in-process torch engine can read the learner's parameters instead of holding a copy that every
-    update is pushed into: one process (a sharded learner holds only shards), the same dtype (both are
-    model.dtype), no LoRA (the engine needs the adapters merged in) and no async rollouts (the engine would sample
-    while the update writes the weights). The weight-sync gate still checks the engine after every update."""
+    """Whether the in-process torch engine can read the learner's parameters instead of a copy that every update is
+    pushed into: one process (not shards), no LoRA (the engine needs the adapters merged in) and no async rollouts
+    (the engine would sample while the update writes). The weight-sync gate still checks it after every update."""
     return (cfg.rollout.engine == "torch" and not cfg.ray.rollout_workers and get_world_size() == 1
             and not cfg.learner.lora_rank and not cfg.rollout.async_rollouts)
 
 
 def build_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
-    """algo.teacher_path's model, frozen and sharded like the policy, or None. It scores the student's token ids, so
-    its tokenizer must be the policy's."""
+    """algo.teacher_path's model, frozen and sharded like the policy, or None; its tokenizer must be the policy's."""
     if not cfg.algo.teacher_path:
         return None
     vocab = Tokenizer.from_file(os.path.join(cfg.algo.teacher_path, "tokenizer.json")).get_vocab()
@@ -298,9 +272,9 @@ def build_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
 
 
 def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_model, weights: dict | None):
-    """Rank 0's rollout source: Ray workers (ray.rollout_workers, cluster.py), else the agent loop around an engine
-    built here; `weights` pushed first when the learner is not the base model (a resumed run; LoRA's merged weights).
-    With rollout.judge.model_path, an LLM judge (judge.py) scores the finished training episodes."""
+    """Rank 0's rollout source: Ray workers (wings/cluster.py), the user's agent (wings/external_agent.py) or the
+    agent loop, around an engine built here; `weights` pushed first when the learner is not the base model (a
+    resumed run; LoRA's merged weights). An LLM judge (wings/judge.py) when rollout.judge.model_path is set."""
     if cfg.ray.rollout_workers:
         return wing("wings.cluster.start_ray_rollouts")(cfg, model_dir, envs, engine_options(cfg), weights)
     engine = make_engine(cfg.rollout.engine, model_dir, pad_id=pad_token_id(tokenizer),
@@ -308,15 +282,14 @@ def build_rollouts(cfg: Config, model_dir: str, envs: dict, tokenizer, engine_mo
     if weights is not None:
         engine.update_weights(weights)
     judge = wing("wings.judge.LLMJudge").from_config(cfg) if cfg.rollout.judge.model_path else None  # envs' own: None
-    if cfg.rollout.external_agent:                    # the user's own agent plays, against a server over the engine
+    if cfg.rollout.external_agent:                    # the user's own agent plays, through a server over the engine
         return wing("wings.external_agent.ExternalRollouts")(cfg, engine, envs, tokenizer, judge=judge)
     return LocalRollouts(engine, envs, tokenizer, cfg.rollout.agent, judge=judge)
 
 
 def build_schedule(cfg: Config, rollouts, envs: dict, start: int, resume: str):
     """SyncSchedule, or with rollout.async_rollouts the async wing's schedule (every rank builds it; rank 0 samples)."""
-    def collect(step):
-        return collect_rollouts(cfg, rollouts, envs, step)
+    collect = functools.partial(collect_rollouts, cfg, rollouts, envs)     # collect(step) -> (trajectories, metrics)
     if cfg.rollout.async_rollouts:
         return wing("wings.async_rollouts.AsyncSchedule").from_config(cfg, collect, rollouts, start, resume, is_main())
     return SyncSchedule(collect)
@@ -339,23 +312,25 @@ def main(cfg: Config) -> dict:
     # --- build: model, tokenizer, learner; on rank 0 the envs, the rollout source and the held-out tasks
     model_dir = model_folder(cfg)                 # model.path, or the embedded default (sft.py builds it)
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    pad_id = pad_token_id(tokenizer)
-    learner_cfg, critic_cfg = learner_configs(cfg)   # the policy's and the critic's
-    shared = shares_engine_model(cfg)             # the engine reads the policy's parameters: nothing to push
-    policy, critic, engine_model = build_learner(cfg, model_dir, resume, learner_cfg, critic_cfg, shared)
+    policy_cfg, critic_cfg = learner_configs(cfg)    # the policy's and the critic's
+    engine_reads_learner = shares_engine_model(cfg)  # the engine reads the policy's parameters: nothing to push
+    policy, critic, engine_model = build_learner(cfg, model_dir, resume, policy_cfg, critic_cfg, engine_reads_learner)
     teacher = build_teacher(cfg, tokenizer)       # None unless on-policy distillation
     weights = merged_state_dict(policy.model) if resume or cfg.learner.lora_rank else None  # every rank joins
     rollouts = envs = eval_tasks = None
     if is_main():
         envs = {e.name: make_env(e.name, **e.kwargs) for e in cfg.envs}
-        rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model, None if shared else weights)
+        rollouts = build_rollouts(cfg, model_dir, envs, tokenizer, engine_model,
+                                  None if engine_reads_learner else weights)
         eval_tasks = heldout_tasks(envs, {e.name: e.eval_size for e in cfg.envs}, cfg.eval_seed)
     perf = PerfMeter(next(policy.model.parameters()).device, cfg.peak_flops, world)    # perf/mfu, perf/peak_memory_gib
     logger = Logger(run_dir, cfg, resume_step=start if resume else None, enabled=is_main())  # logs cut back to start
     schedule = build_schedule(cfg, rollouts, envs, start, resume)
+    shown = {}                                    # the progress bar: the step's reward, the last held-out accuracy
     if start == 0 and is_main():
         m = logger.log(0, run_eval(cfg, rollouts, eval_tasks, os.path.join(run_dir, "episodes_step0.jsonl")))
         print(f"step 0: held-out accuracy {m['eval/accuracy']:.3f}", flush=True)
+        shown["heldout"] = f"{m['eval/accuracy']:.3f}"
 
     # --- the RL loop
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True,
@@ -364,7 +339,7 @@ def main(cfg: Config) -> dict:
         t0 = time.time()
         # 1. rollouts: rank 0 plays them (or takes the batch the schedule sampled ahead); every rank gets the batch
         trajs, metrics, t_rollout = schedule.take(step) if is_main() else ([], {}, 0.0)
-        batch = broadcast_object(to_batch(trajs, pad_id) if is_main() else None)
+        batch = broadcast_object(to_batch(trajs, pad_token_id(tokenizer)) if is_main() else None)
         t_rollout = t_rollout if is_main() else time.time() - t0
 
         # 2. advantages, 3. update (the engine asleep: on a GPU its memory is the learner's meanwhile)
@@ -375,39 +350,38 @@ def main(cfg: Config) -> dict:
             rollouts.sleep()
         updated = informative or not cfg.algo.skip_uniform_batches
         if updated:
-            policy, update_metrics = train_step(policy, train_batch, learner_cfg)
+            policy, update_metrics = train_step(policy, train_batch, policy_cfg)
             metrics.update(update_metrics)
             if critic is not None:
                 critic, critic_metrics = critic_step(critic, value_batch, critic_cfg, cfg.algo.value_clip)
                 metrics.update(critic_metrics)
         metrics["train/skipped_uniform"] = float(not updated)
         t_train = time.time() - t1
-        metrics.update(perf.measure(policy.model, batch.lengths, learner_cfg.ppo_epochs, t_train, updated))
+        metrics.update(perf.measure(policy.model, batch.lengths, policy_cfg.ppo_epochs, t_train, updated))
 
-        # 4. push the new weights to the engine (the schedule says when), then the weight-sync gate
+        # 4. push the new weights to the engine (the schedule says when), then the weight-sync gate (5. eval:
+        #    eval.run_eval; logs and checkpoints: runs.py)
         t2 = time.time()
         if is_main():
             metrics.update(schedule.before_push(step))
             rollouts.wake_up()
-        if not shared and schedule.pushes(updated):
+        if not engine_reads_learner and schedule.pushes(updated):
             weights = merged_state_dict(policy.model)      # every rank joins the gather onto rank 0 (LoRA merged in)
             if is_main():
                 metrics.update(schedule.push(rollouts, weights, step))
-        if cfg.rollout.sync_check_samples:
-            metrics.update(check_weight_sync(cfg, rollouts, policy, trajs, step))
-        metrics.update({"perf/sync_seconds": time.time() - t2, "perf/rollout_seconds": t_rollout,
-                        "perf/train_seconds": t_train, "perf/step_seconds": time.time() - t0,
-                        "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(t_rollout, 1e-9),
-                        "perf/train_tokens_per_s": int(batch.lengths.sum()) / max(t_train, 1e-9),
-                        "perf/elapsed_minutes": (time.time() - t_start) / 60, "perf/world_size": world})
+        if cfg.rollout.sync_check_samples:             # (rollout.py explains the gate)
+            seed = mix_seed(cfg.seed, step, SEED_SYNC_PROBE)
+            metrics.update(weight_sync_gate(cfg, rollouts, policy.model, trajs, seed))
+        metrics.update(perf.times(batch, t_rollout, t_train, sync=time.time() - t2, step=time.time() - t0,
+                                  elapsed=time.time() - t_start))
 
         # 5. eval, log, checkpoint
         if is_main():
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 metrics.update(run_eval(cfg, rollouts, eval_tasks, os.path.join(run_dir, f"episodes_step{step}.jsonl")))
+                shown["heldout"] = f"{metrics['eval/accuracy']:.3f}"
             logger.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
-                            acc=f"{metrics.get('eval/accuracy', float('nan')):.3f}")
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", **shown)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_run_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"), cfg, model_dir, policy, critic,
                                 step, schedule.pending())

@@ -43,6 +43,7 @@ The weaker path (demonstration with use_tools=False) searches every storage rece
 included, in a random order, and closes again each one it opened for nothing: it succeeds too, in
 ~0.75 more commands on average (up to ~18), and its order is no rule a policy can read from the
 observations, so RL has a systematic search to find.
+Imports: tools.py, env.py, envs/worlds.py (and the standard library).
 """
 import hashlib
 import json

@@ -40,6 +40,7 @@ through the same run_grading, with a harness of its own.
 Expert. use_tools=True: python_exec(reference + the prompt's example call), whose output must be the
 prompt's example result (checked), then finish(answer=reference). use_tools=False: finish(answer=
 reference) at once, the shorter path that never tests its code.
+Imports: sandbox.py, tools.py, env.py, envs/sandbox_exec.py (and the standard library).
 """
 import ast
 import hashlib

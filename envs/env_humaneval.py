@@ -40,6 +40,7 @@ Expert (demonstration, eval.py --policy expert): python_exec of the reference wi
 `>>>` example call, when it has one (its output must not be an error; HumanEval's docstrings are not
 always right, so it is not compared), then finish(prompt + canonical_solution). Random (the floor): a
 function with the right name that returns a constant or its first argument, run or submitted.
+Imports: sandbox.py, env.py, envs/env_code.py, envs/sandbox_exec.py, envs/worlds.py (and the standard library).
 """
 import ast
 import importlib.resources

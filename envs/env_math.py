@@ -52,6 +52,7 @@ no tool traces, so the expert calls finish(reference) at once, with or without t
 write_sample_dataset writes a GSM8K-style file from the multistep generator (data/sample_gsm8k.jsonl).
 
 Imports only the standard library, env.py, tools.py and worlds.py.
+Imports: tools.py, env.py, envs/worlds.py (and pyarrow, the standard library).
 """
 import hashlib
 import itertools

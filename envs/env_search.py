@@ -54,6 +54,7 @@ then finish; every call's arguments and the answer are copied from the question 
 observation (checked: the demonstration raises otherwise). use_tools=False: the same lookups without
 the calculator, the difference computed "in the head" (finish with the number directly): shorter, but
 hard for a tiny model, so RL has something to improve. Kinds without arithmetic have a single path.
+Imports: tools.py, env.py (and numpy, the standard library).
 """
 import difflib
 import hashlib

@@ -56,6 +56,7 @@ weaker_demo knob (WEAKER_DEMOS); both still succeed when played out without a tu
     "Which order id?", "Which item?", "Which new color?"): 6-9 turns where the expert needs 5-6. Under a
     max_turns of 6 it fails every cancel, return and exchange (and the impossible returns), a choice RL can
     see in the reward.
+Imports: tools.py, env.py, envs/worlds.py (and the standard library).
 """
 import hashlib
 import json

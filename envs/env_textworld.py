@@ -50,6 +50,7 @@ Expert (demonstration, eval.py --policy expert): TextWorld's walkthrough, the wi
 the game's logic (policy_commands at the start; where it has none, the walkthrough in the game's metadata),
 played through step(); it must win. Random (the floor): a
 random admissible command, and one time in ten a misspelled one.
+Imports: tools.py, env.py, envs/worlds.py (and textworld, the standard library).
 """
 import argparse
 import json

@@ -54,6 +54,7 @@ it raises unless the reward is 1.0. With use_tools=False it is the careless shop
 then the first result whatever its price (the twin when the twin is rated higher), the asked options
 where offered (else the first value), buy. Right about 60% of the time; the rest earns partial
 credit, and RL has the price check to learn.
+Imports: tools.py, env.py (and the standard library).
 """
 import functools
 import hashlib

@@ -12,9 +12,11 @@ The calculator, python_eval, is sandbox.py; this file takes from it what the two
 bounded parser (_parse_source, sent to the child too) and the lock every parse in the parent takes (_PARSE_LOCK,
 see parse_python).
 
-Imports: sandbox.py and the standard library; tools.py registers execute_python as the python_exec tool. POSIX only
-(process groups, resource limits). The child process runs functions of this file and sandbox.py's _parse_source
-sent as source (inspect.getsource), so both files must be present as .py at run time.
+POSIX only (process groups, resource limits). The child process runs functions of this file and sandbox.py's
+_parse_source sent as source (inspect.getsource), so both files must be present as .py at run time. The code
+world registers execute_python as the python_exec tool (env_code.python_exec).
+
+Imports: sandbox.py (and the standard library).
 """
 import ast
 import inspect

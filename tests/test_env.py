@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -253,6 +254,18 @@ def test_python_eval_refused(code, reason):
     assert check_code(code) is not None and reason in check_code(code)
     text, kind = SANDBOX.run(code)
     assert kind == "refused" and text.startswith("Error:") and reason in text
+
+
+
+def test_model_written_code_never_prints_a_syntax_warning():
+    """'3x' or '1if 1 else 2' make Python's parser warn ('invalid decimal literal'); that is the model's business,
+    kept in the sandbox, not a line in the run's output (it leaked into the main command's progress bar)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert SANDBOX.run("x = 1if 1 else 2\nx") == ("1", None)
+        assert SANDBOX.run("3x + 1")[1] == "refused" and check_code("0x1for x in [1]") is None
+        sandbox.parse_python("y = 2if 1 else 3")
+    assert not [w for w in seen if issubclass(w.category, SyntaxWarning)], [str(w.message) for w in seen]
 
 
 def test_python_eval_errors_are_text():

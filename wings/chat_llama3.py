@@ -35,7 +35,8 @@ style) are decoded and written as the object, as vLLM decodes them before render
 a role other than system / user / assistant / tool / ipython, several calls in one message, or tools with no first
 user message to carry them raise ValueError with what was wrong.
 
-Docs: docs/chat_formats.md. Imports: chat.py (its lenient JSON reader and parser bounds), env.py.
+Docs: docs/chat_formats.md.
+Imports: env.py, tool_calls.py (its lenient JSON reader and the parser's bounds) (and the standard library).
 """
 import json
 import re

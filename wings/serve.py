@@ -27,8 +27,8 @@ update under the lock; remotely, a trainer sends the same to POST /v1/weights (e
 Server answers `generate` like an engine, so rollout.sync_probe (through it, or through an OpenAIEngine over HTTP) and
 rollout.logprob_gap check it after a push like any other engine. Docs: docs/serve.md.
 
-Imports: rollout.py, agent.py, chat.py, env.py, runs.py (the CLI's folder check) (and torch, safetensors,
-tokenizers, the standard library).
+Imports: env.py, tool_calls.py, chat.py, agent.py, rollout.py, runs.py (the CLI's folder check) (and torch,
+safetensors, tokenizers, the standard library).
 """
 import argparse
 import dataclasses
@@ -566,6 +566,25 @@ class Server:
             self.httpd = None
 
 
+def read_body(headers, rfile, limit: int) -> bytes:
+    """A request's body, at most `limit` bytes, or a RequestError (411: no Content-Length; 413: too long, the body
+    read and dropped up to DRAIN_BYTES first, so that the client, done sending, reads the answer rather than a reset
+    connection)."""
+    if headers.get("Transfer-Encoding"):
+        raise RequestError(411, "send the body with a Content-Length (chunked bodies are not read)")
+    try:
+        size = int(headers.get("Content-Length", ""))
+    except ValueError:
+        raise RequestError(411, "a Content-Length header is required") from None
+    if size < 0 or size > limit:
+        left = min(size, DRAIN_BYTES)
+        while left > 0:
+            chunk = rfile.read(min(left, 1 << 16))
+            left = left - len(chunk) if chunk else 0
+        raise RequestError(413, f"the body has {size} bytes; at most {limit} are read")
+    return rfile.read(size)
+
+
 def _handler(server: Server):
     """The request handler class of `server`: routing, body limits, and every error as a JSON answer."""
 
@@ -585,19 +604,7 @@ def _handler(server: Server):
             self.wfile.write(data)
 
         def body(self, limit: int) -> bytes:
-            if self.headers.get("Transfer-Encoding"):
-                raise RequestError(411, "send the body with a Content-Length (chunked bodies are not read)")
-            try:
-                size = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                raise RequestError(411, "a Content-Length header is required") from None
-            if size < 0 or size > limit:
-                left = min(size, DRAIN_BYTES)       # read and dropped, so that the client, done sending, reads
-                while left > 0:                     # this answer rather than a reset connection
-                    chunk = self.rfile.read(min(left, 1 << 16))
-                    left = left - len(chunk) if chunk else 0
-                raise RequestError(413, f"the body has {size} bytes; at most {limit} are read")
-            return self.rfile.read(size)
+            return read_body(self.headers, self.rfile, limit)
 
         def json_body(self) -> dict:
             try:
