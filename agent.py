@@ -18,22 +18,17 @@ sampled, or the importance ratio is off from the first step. Only the observatio
 (chat.render_continuation), and it is cut out of chat.render() itself so that the two cannot diverge.
 
 An engine is anything with `generate(prompts: list[list[int]], params) -> [Generation]` (rollout.py: token ids
-in, token ids and log-probs out, n samples per prompt, prompt-major); the loop reads `params` only through
-dataclasses.replace and a Generation's token_ids, logprobs and kept_sizes (and versions, when it has them), so it
-imports no engine.
+in, token ids and log-probs out, n samples per prompt, prompt-major), so this file imports no engine. A rollout
+source answers `play(tasks, params, seed, judge_weight, agent) -> (trajectories, metrics)`: LocalRollouts here,
+cluster.RayRollouts on Ray workers. It returns one Trajectory per episode, group-major; an episode that is not one
+token sequence (a client rewrote its history; a memory policy, rollout.agent.memory, compacted its context) lists
+the rows it trains as (Trajectory.rows), and batch.to_batch gives every row its episode.
 
-A rollout source answers `play(tasks, params, seed, judge_weight, agent) -> (trajectories, metrics)`:
-LocalRollouts here (the loop in this process, around one engine), cluster.RayRollouts on Ray workers. train.py
-and eval.py talk to either one the same way. It returns one Trajectory per episode, group-major; an episode that
-is not one token sequence (a client rewrote its history between turns) lists the rows it trains as
-(Trajectory.rows), and to_batch gives every row its episode (RolloutBatch.episode).
-
-Sections: the multi-turn loop | the in-process rollout source | batching and metrics.
-Shapes (RolloutBatch): B rows (one per episode, unless an episode lists rows), T tokens (the longest row; shorter ones
-right-padded), G group size.
-Imports: chat.py, env.py and algos.py (and torch, the standard library).
+Sections: the multi-turn loop | the in-process rollout source | metrics. Trajectories become tensors in batch.py.
+Imports: env.py, chat.py, algos.py (and torch, the standard library).
 """
 import hashlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -58,6 +53,13 @@ class AgentConfig:
                                        # the context window)
     chat_format: str = "qwen2.5"       # "qwen2.5" (stable re-rendering) | "qwen3" | "llama3" (chat.CHAT_FORMATS)
     enable_thinking: bool | None = None  # qwen3 only: False = empty think block in every generation prompt
+    memory: str = "full"               # what the prompt of each next turn holds (wings/memory.py, docs/memory.md):
+                                       # full (the whole episode, one token sequence) | window (the task and the last
+                                       # memory_turns turns) | summary (the policy's own summary and the last turns)
+    memory_turns: int = 4              # window, summary: the recent turns a compacted prompt keeps
+    summary_every: int = 0             # summary: also compact every this many turns (0: only when the next turn and
+                                       # a summary would not fit)
+    summary_tokens: int = 128          # summary: the summary's length at most, in tokens
 
 
 @dataclass
@@ -99,9 +101,16 @@ class Trajectory:
                                        # tokens drawn from the whole vocabulary and elsewhere (empty: all 0)
     rows: list["Trajectory"] = field(default_factory=list)  # the rows the episode trains as when it is not one
                                        # token sequence (its context was rewritten between turns: a client that
-                                       # edited its history, external_agent.py), in turn order, each holding its own
-                                       # turns' tokens; the episode's own token_ids are then its last row's.
-                                       # Empty: the episode is its one row
+                                       # edited its history, wings/external_agent.py; a memory policy's segments,
+                                       # wings/memory.py), in turn order, each holding its own turns' tokens; the
+                                       # episode's own token_ids are then its last row's. Empty: its one row
+    sampled_tokens: int = 0            # tokens the policy sampled in this episode, every row counted
+    segments: int = 0                  # memory policies only (rollout.agent.memory): the rows the episode played as;
+                                       # 0: the whole episode was one growing sequence (memory=full)
+    compactions: int = 0               # times a memory policy rewrote the context (a new segment)
+    dropped_tokens: int = 0            # prompt tokens the compactions left out (the context's length less the new
+                                       # prompt's, summed)
+    summary_failures: int = 0          # summaries that came back empty or were cut at summary_tokens
 
     def extend(self, ids: list[int], sampled: bool = False, logprobs=None, versions=None, kept_sizes=None):
         """Append a span of tokens: the one place a trajectory grows, so its per-token lists stay aligned. Sampled
@@ -109,10 +118,42 @@ class Trajectory:
         sampled (mask 0: an observation, a forced <|im_end|>), log-prob 0, version -1, size 0."""
         n = len(ids)
         self.token_ids += ids
+        self.sampled_tokens += n if sampled else 0
         self.loss_mask += [int(sampled)] * n
         self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * n
         self.versions += list(versions) if versions else [-1] * n
         self.kept_sizes += list(kept_sizes) if kept_sizes else [0] * n
+
+    def new_segment(self, prompt: list[int]):
+        """Start a new row (a segment: wings/memory.py) whose context is `prompt`: the row so far, up to its last
+        sampled token (what came after it no sampled token ever saw), becomes one of `rows`, and the next turns
+        extend the new one. end_segments adds the last row when the episode ends."""
+        self.rows.append(self.closed_row())
+        self.token_ids, self.loss_mask, self.logprobs, self.versions, self.kept_sizes = [], [], [], [], []
+        self.turn_starts, self.prompt_len = [], len(prompt)
+        self.extend(list(prompt))
+
+    def closed_row(self) -> "Trajectory":
+        """This row as it is trained: its tokens up to its last sampled one (the prompt it was given and what it
+        sampled), a row of its own (no rows, the episode's fields left to the episode)."""
+        end = max((k + 1 for k, m in enumerate(self.loss_mask) if m), default=0)
+        return replace(self, token_ids=self.token_ids[:end], loss_mask=self.loss_mask[:end],
+                       logprobs=self.logprobs[:end], versions=self.versions[:end], kept_sizes=self.kept_sizes[:end],
+                       turn_starts=list(self.turn_starts), rows=[], messages=[])
+
+    def retract(self, n: int):
+        """Drop the last n tokens, context the engine was never given (a memory policy rewriting the observation
+        that ends the row: wings/memory.py); a sampled token is never dropped."""
+        if n and any(self.loss_mask[-n:]):
+            raise ValueError("retract drops context only, never a sampled token")
+        keep = len(self.token_ids) - n
+        for name in ("token_ids", "loss_mask", "logprobs", "versions", "kept_sizes"):
+            setattr(self, name, getattr(self, name)[:keep])
+
+    def end_segments(self):
+        """An episode that played as segments lists its last one too (a row with nothing sampled is left out)."""
+        if self.rows:
+            self.rows = [r for r in self.rows + [self.closed_row()] if r.token_ids]
 
     @property
     def length_cut(self) -> bool:
@@ -189,7 +230,7 @@ def init_episodes(envs: dict[str, Env], tasks: list[Task], tokenizer, cfg: Agent
             traj = Trajectory(task=task, group=g, sample=s, token_ids=[], loss_mask=[], logprobs=[],
                               prompt_len=len(ids), messages=list(msgs))
             traj.extend(ids)
-            if len(ids) + _MIN_ROOM > cfg.max_total_tokens:
+            if len(ids) + MIN_ROOM > cfg.max_total_tokens:
                 traj.finish_reason, traj.context_full = "context_full", True
             trajs.append(traj)
             states.append(state)
@@ -207,7 +248,17 @@ def state_key(state) -> int:
 
 
 # the smallest budget worth another turn: one sampled token plus the slot kept for a forced <|im_end|>
-_MIN_ROOM = 2
+MIN_ROOM = 2
+_MEMORY_SEED = 1 << 20        # mix_seed(seed, turn, _MEMORY_SEED): a memory policy's own draws (summaries)
+
+
+def memory_policy(cfg: AgentConfig, tokenizer):
+    """The memory policy of cfg.memory, or None for "full" (the episode is one growing token sequence). The others
+    are a wing, wings/memory.py, imported by name (as chat.py imports a wing format): an object whose
+    next_prompts(engine, trajectories, params, seed) may start each episode's next turn on a new segment."""
+    if cfg.memory == "full":
+        return None
+    return importlib.import_module("wings.memory").Memory(cfg, tokenizer)
 
 
 def turn_room(traj: Trajectory, cfg: AgentConfig, max_tokens: int) -> dict[str, int]:
@@ -217,7 +268,7 @@ def turn_room(traj: Trajectory, cfg: AgentConfig, max_tokens: int) -> dict[str, 
     the smallest; a turn cut at it is counted against the first limit, in this order, that equals it."""
     room = {"turn": max_tokens}
     if cfg.max_episode_tokens:
-        room["episode"] = cfg.max_episode_tokens - sum(traj.loss_mask)
+        room["episode"] = cfg.max_episode_tokens - traj.sampled_tokens
     room["context"] = cfg.max_total_tokens - len(traj.token_ids) - 1
     return room
 
@@ -241,8 +292,12 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
 
     active = [i for i, t in enumerate(trajs) if not t.finish_reason]
     state_keys = {i: state_key(trajs[i].token_ids) for i in active}    # the first prompt: the task's start state
+    memory = memory_policy(cfg, tokenizer)      # None: each turn's prompt is the whole episode so far (memory=full)
     turn = 0
     while active:
+        if memory is not None:                  # the prompt of this turn, when a memory policy rewrites the context
+            memory.next_prompts(engine, [trajs[i] for i in active], params, mix_seed(seed, turn, _MEMORY_SEED))
+            active = [i for i in active if not trajs[i].finish_reason]      # no room left, even compacted
         rooms = [turn_room(trajs[i], cfg, params.max_tokens) for i in active]
         budgets = [min(room.values()) for room in rooms]
         call = replace(params, n=1, max_tokens=max(budgets), stop_token_ids=stop_ids,
@@ -263,9 +318,22 @@ def play_episodes(engine, trajs: list[Trajectory], states: list, tokenizer, cfg:
             if cont is not None:                   # the episode goes on
                 state_keys[i] = state_key(result.info.get("state_key", cont))
                 still_active.append(i)
+            else:
+                trajs[i].end_segments()
         active = still_active
         turn += 1
     return trajs
+
+
+def cut_generation(gen, budget: int, stop_ids: tuple) -> tuple[list[int], list[float], bool]:
+    """A generation's tokens and log-probs up to `budget` and its first stop token (an engine may run past it) ->
+    (ids, log-probs, whether it stopped on a stop token)."""
+    ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
+    for k, t in enumerate(ids):
+        if t in stop_ids:
+            ids, lps = ids[:k + 1], lps[:k + 1]
+            break
+    return ids, lps, bool(ids) and ids[-1] in stop_ids
 
 
 def _add_turn(traj: Trajectory, gen, room: dict[str, int], stop_ids: tuple, ends: list[int], tokenizer,
@@ -274,12 +342,7 @@ def _add_turn(traj: Trajectory, gen, room: dict[str, int], stop_ids: tuple, ends
     token; closed with a forced <|im_end|> when it was cut, and the cut counted by the limit that made it) -> the
     Action parsed from its text."""
     budget = min(room.values())
-    ids, lps = list(gen.token_ids[:budget]), list(gen.logprobs[:budget])
-    for k, t in enumerate(ids):                # keep up to the first stop token (an engine may run past it)
-        if t in stop_ids:
-            ids, lps = ids[:k + 1], lps[:k + 1]
-            break
-    stopped = bool(ids) and ids[-1] in stop_ids
+    ids, lps, stopped = cut_generation(gen, budget, stop_ids)
     content_ids = ids[:-1] if stopped else ids
     if not stopped:                            # cut: by the first limit at the budget (an engine that stopped short
         limit = next(k for k, v in room.items() if v == budget) if len(ids) >= budget else "turn"  # on its own: turn)
@@ -314,7 +377,7 @@ def _add_step(traj: Trajectory, result: "StepResult", tokenizer, cfg: AgentConfi
     if error is not None:                      # a broken env ends this episode, not the whole batch
         traj.env_errors += 1
         traj.reward, traj.done, traj.finish_reason = 0.0, False, "env_error"
-        traj.turn_rewards = [0.0] * traj.num_turns
+        traj.turn_rewards = [0.0] * (len(traj.turn_rewards) + 1)     # every sampled turn, this one too
         traj.info = {"error": error}
         return None
     traj.reward += float(reward)
@@ -330,12 +393,12 @@ def _add_step(traj: Trajectory, result: "StepResult", tokenizer, cfg: AgentConfi
     if traj.num_turns >= cfg.max_turns:
         traj.finish_reason = "max_turns"
         return None
-    if cfg.max_episode_tokens and sum(traj.loss_mask) >= cfg.max_episode_tokens:
+    if cfg.max_episode_tokens and traj.sampled_tokens >= cfg.max_episode_tokens:
         traj.finish_reason, traj.truncated_episode = "episode_tokens", True
         return None
     # only the new observation and the next generation prompt are rendered and appended
     cont = encode(tokenizer, render_continuation(obs, cfg.chat_format, cfg.enable_thinking))
-    if len(traj.token_ids) + len(cont) + _MIN_ROOM > cfg.max_total_tokens:
+    if len(traj.token_ids) + len(cont) + MIN_ROOM > cfg.max_total_tokens:
         traj.finish_reason, traj.context_full = "context_full", True   # no room to answer it: leave it out
         return None
     traj.extend(cont)
@@ -420,99 +483,12 @@ class LocalRollouts:
 
 
 # -----------------------------------------------------------------------------
-# batching and metrics
-
-@dataclass
-class RolloutBatch:
-    """Trajectories as right-padded tensors, rows in the order given (group-major from run_episodes). An episode is
-    one row, or the several rows it lists (Trajectory.rows); the per-episode fields (rewards, turn_rewards, turn_mask,
-    turn_states, length_cut) are repeated on each of its rows, and `episode` says whose row a row is."""
-    input_ids: torch.Tensor            # (B, T) long, right-padded with pad_id
-    loss_mask: torch.Tensor            # (B, T) float, 1 on sampled tokens, 0 on prompt/observation/forced/padding
-    logprobs: torch.Tensor             # (B, T) float, engine log-prob of token t (0 where the mask is 0)
-    rewards: torch.Tensor              # (B,) float, episode reward
-    turn_rewards: torch.Tensor         # (B, K) float, each assistant turn's reward (K = most turns; 0 past the last)
-    turn_mask: torch.Tensor            # (B, K) float, 1 on the turns the episode took
-    turn_index: torch.Tensor           # (B, T) long, the assistant turn of each sampled token, -1 elsewhere
-    turn_states: torch.Tensor          # (B, K) long, the state key of each turn (Trajectory.turn_states), -1 past the last
-    lengths: torch.Tensor              # (B,) long, real tokens per row (the rest is padding)
-    kept_sizes: torch.Tensor | None = None  # (B, T) long, size of the top-k / top-p set token t was drawn from (-1:
-                                       # not reported, the learner infers it; 0: whole vocabulary, and where mask is
-                                       # 0); None: all 0
-    length_cut: torch.Tensor | None = None  # (B,) bool, a length limit cut the episode (Trajectory.length_cut);
-                                       # None: none was
-    episode: torch.Tensor | None = None  # (B,) long, the episode of each row, 0..E-1 in order (E episodes, group-
-                                       # major); None: one row per episode
-
-    def episode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,) each row's episode and (E,) each episode's last row. A group baseline is taken over episodes, each
-        read from its last row (where its last turn and its reward are), then given back to every row of it."""
-        B = len(self.rewards)
-        episode = self.episode if self.episode is not None else torch.arange(B)          # (B,)
-        ends = torch.ones(B, dtype=torch.bool)
-        ends[:-1] = episode[1:] != episode[:-1]                                           # (B,) next row: another
-        return episode, ends.nonzero()[:, 0]                                              # (B,), (E,)
-
-
-def to_batch(trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
-    """Stack trajectories into right-padded tensors (T = the longest row): each episode's row, or its rows
-    (Trajectory.rows), a row's turns numbered within its episode."""
-    if not trajs:
-        raise ValueError("to_batch needs at least one trajectory")
-    rows = [r for t in trajs for r in (t.rows or [t])]
-    episode = [e for e, t in enumerate(trajs) for _ in (t.rows or [t])]
-    eps = [trajs[e] for e in episode]                                                  # each row's episode
-    first_turn = [sum(len(r.turn_starts) for r in t.rows[:j]) for t in trajs for j in range(len(t.rows or [t]))]
-    loss_mask = pad_right([t.loss_mask for t in rows], 0.0, torch.float)                 # (B, T)
-    turns = [[1.0] * len(t.turn_rewards) for t in eps]
-    return RolloutBatch(
-        input_ids=pad_right([t.token_ids for t in rows], pad_id, torch.long),             # (B, T)
-        loss_mask=loss_mask,
-        logprobs=pad_right([t.logprobs for t in rows], 0.0, torch.float),                 # (B, T)
-        kept_sizes=pad_right([t.kept_sizes or [0] * len(t.token_ids) for t in rows], 0, torch.long),  # (B, T)
-        rewards=torch.tensor([t.reward for t in eps], dtype=torch.float),                # (B,)
-        turn_rewards=pad_right([t.turn_rewards or [0.0] for t in eps], 0.0, torch.float),    # (B, K)
-        turn_mask=pad_right([m or [0.0] for m in turns], 0.0, torch.float),                     # (B, K)
-        turn_index=_turn_index([t.turn_starts for t in rows], loss_mask, first_turn),     # (B, T)
-        turn_states=pad_right([t.turn_states or [-1] for t in eps], -1, torch.long),     # (B, K)
-        lengths=torch.tensor([len(t.token_ids) for t in rows], dtype=torch.long),        # (B,)
-        length_cut=torch.tensor([t.length_cut for t in eps], dtype=torch.bool),          # (B,)
-        episode=torch.tensor(episode, dtype=torch.long),                                 # (B,)
-    )
-
-
-def _turn_index(turn_starts: list[list[int]], loss_mask: torch.Tensor, first_turn: list[int]) -> torch.Tensor:
-    """(B, T) the assistant turn each sampled token belongs to (the last turn starting at or before it, counted from
-    the row's first_turn), -1 on every token the policy did not sample (prompt, observations, forced <|im_end|>,
-    padding)."""
-    B, T = loss_mask.shape
-    starts = pad_right([s or [T] for s in turn_starts], T, torch.long)                    # (B, K) T: no turn
-    pos = torch.arange(T).expand(B, T).contiguous()                                      # (B, T)
-    turn = torch.searchsorted(starts, pos, right=True) - 1                               # (B, T)
-    first = torch.tensor(first_turn, dtype=torch.long)[:, None]                          # (B, 1)
-    return torch.where(loss_mask.bool() & (turn >= 0), turn + first, -1)
-
-
-def pad_right(rows: list[list], value, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of different lengths as one (B, T) tensor, T the longest row, filled with `value` past each row's end
-    (to_batch's trajectories; sft.py's demonstrations)."""
-    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=dtype)    # (B, T)
-    for b, row in enumerate(rows):
-        out[b, :len(row)] = torch.tensor(row, dtype=dtype)
-    return out
-
+# metrics (trajectories as tensors: batch.py)
 
 def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float]:
-    """Means over episodes, namespaced "rollout/...":
-    reward, num_turns, tool_calls, response_tokens (sampled tokens), total_tokens, parse_failures,
-    tool_errors, tool_timeouts, env_errors, empty_responses (all per episode); truncated (the fraction of episodes
-    the env did not end: cut by max_turns, max_episode_tokens or the context window); truncated_turn (the fraction of
-    assistant turns cut by rollout.max_tokens); truncated_episode and context_full (the fractions of episodes cut by
-    agent.max_episode_tokens, and by agent.max_total_tokens: a turn cut, an observation left out);
-    frac_groups_mixed (fraction of the groups of `group_size` whose rewards are not all equal: only those carry a
-    GRPO signal); judge_score and judge_failures (the mean score of the episodes a judge scored, and the fraction of
-    them whose judge reply could not be read), when a judge scored any; and "rollout/<env>/reward" per env when the
-    batch mixes envs."""
+    """The "rollout/..." metrics of a batch (README.md's metrics table says what each is): means over episodes, the
+    share of groups of `group_size` with mixed rewards, the judge's figures when a judge scored any, the memory
+    policy's when one played (memory_metrics), and "rollout/<env>/reward" per env when the batch mixes envs."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -524,8 +500,8 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/reward": mean([t.reward for t in trajs]),
         "rollout/num_turns": mean([t.num_turns for t in trajs]),
         "rollout/tool_calls": mean([t.num_tool_calls for t in trajs]),
-        "rollout/response_tokens": mean([sum(t.loss_mask) for t in trajs]),
-        "rollout/total_tokens": mean([len(t.token_ids) for t in trajs]),
+        "rollout/response_tokens": mean([sum(sum(r.loss_mask) for r in t.rows or [t]) for t in trajs]),
+        "rollout/total_tokens": mean([sum(len(r.token_ids) for r in t.rows or [t]) for t in trajs]),
         "rollout/parse_failures": mean([t.parse_failures for t in trajs]),
         "rollout/tool_errors": mean([t.tool_errors for t in trajs]),
         "rollout/tool_timeouts": mean([t.tool_timeouts for t in trajs]),
@@ -537,6 +513,7 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         "rollout/context_full": mean([t.context_full for t in trajs]),
     }
     out["rollout/frac_groups_mixed"] = mean(mixed_groups(trajs, group_size))
+    out.update({f"rollout/{k}": v for k, v in memory_metrics(trajs).items()})
     judged = [t.info for t in trajs if "judge" in t.info]        # finish_episodes' verdicts (training only)
     if judged:
         out["rollout/judge_score"] = mean([i["judge"] for i in judged])
@@ -548,6 +525,15 @@ def rollout_metrics(trajs: list[Trajectory], group_size: int) -> dict[str, float
         for name, rewards in sorted(by_env.items()):
             out[f"rollout/{name}/reward"] = mean(rewards)
     return out
+
+
+def memory_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Per episode, when a memory policy played them (Trajectory.segments > 0; none under memory=full): segments
+    (rows), compactions, dropped_tokens (prompt tokens left out) and summary_failures."""
+    if not any(t.segments for t in trajs):
+        return {}
+    return {k: sum(getattr(t, k) for t in trajs) / len(trajs)
+            for k in ("segments", "compactions", "dropped_tokens", "summary_failures")}
 
 
 def prefill_counts(engine) -> tuple[int, int]:

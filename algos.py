@@ -141,6 +141,27 @@ def group_advantages(rewards, group_size: int, kind: str):
     return torch.where(all_equal, 0.0, adv).view(B)
 
 
+def segment_advantages(episode_adv, episode, mask):
+    """Each row's tokens get its episode's advantage: episode_adv (E,), episode (B,) the episode of each row, mask
+    (B, T) the sampled tokens -> (B, T). An episode is one row, or several: a memory policy's segments (each the
+    prompt the engine was given and what it sampled: a compacted context, a summary the policy wrote), a client's
+    rewritten history. The estimator, with pi the policy and c_t the context token a_t was sampled from:
+
+        g = sum_i A_i sum_{rows r of i} sum_{t in r, sampled} grad log pi(a_t | c_t)
+
+    Why it is unbiased. Within an episode every token is one action of one policy acting on the context it was
+    given, and a compaction (a summary, a window) only decides the next contexts: it is part of the environment as
+    the agent sees it, or an action (a summary is sampled, so it is one). Then sum_t grad log pi(a_t | c_t) is the
+    score of the episode's probability, and A_i = R_i - b_i with b_i independent of episode i (rloo's leave-one-out
+    mean; drgrpo's group mean scales the gradient by (G - 1) / G) is REINFORCE with a baseline. It needs each token
+    scored on exactly the context it was sampled from: scoring the tokens after a compaction on the whole history
+    instead is the gradient of another policy, biased (tests/test_memory.py shows both by exact enumeration on a
+    toy MDP with a compaction step). A summary whose content the reward does not depend on gets an expected
+    gradient of exactly 0, like any action that changes nothing.
+    """
+    return episode_adv[episode][:, None] * mask                            # (B, T)
+
+
 # ----------------------------------------------------------------------------- policy losses
 
 @dataclass

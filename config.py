@@ -56,7 +56,7 @@ class JudgeConfig:
     base_url: str = "http://localhost:8001/v1"  # engine=openai: the judge's server, ending in /v1
     chat_format: str = "qwen2.5"     # the judge's chat format (chat.CHAT_FORMATS), its own, not the policy's
     temperature: float = 0.0         # the judge's sampling temperature (0: greedy)
-    max_tokens: int = 256            # the judge's reply, in tokens at most; a reply cut before its score is a failure
+    max_tokens: int = 256            # the judge's reply, in tokens at most (cut before its score: a failure)
     rubric: str = ""                 # the judge's prompt, a template of judge.RUBRIC_FIELDS; "": judge.RUBRIC
 
 
@@ -79,14 +79,14 @@ class RolloutConfig:
     max_batch_size: int = 256        # sequences the engine decodes at once
     prefix_cache_tokens: int = 0     # torch engine: keep the keys/values of up to this many positions between calls,
                                      # so a turn prefills only its new tokens (wings/prefix_cache.py); 0: off
+    decode: str = "plain"            # torch engine's decode step: plain (model.py) | fast (wings/fast_decode.py: a
+                                     # group's prompt read once; floats and draws move: off) | compiled (fast, compiled)
     gpu_memory_utilization: float = 0.5  # vllm engine on a GPU: its share of GPU memory; the learner needs the rest
     sync_check_samples: int = 4      # the weight-sync gate after every push (rollout.py): the engine continues this
                                      # many trajectories (one per group, longest first), the learner scores them (0: off)
     sync_check_tokens: int = 8       # ... by this many tokens each
-    sync_max_logprob_diff: float | None = None  # ... and the run stops past this gap. None:
-                                     # rollout.default_sync_threshold (1e-3 in float32)
-    judge_weight: float = 0.0        # training only: add judge_weight * the judge's score to the reward (an env's own
-                                     # judge, e.g. tau_lite's, or rollout.judge's LLM judge)
+    sync_max_logprob_diff: float | None = None  # ... and the run stops past this gap (None: default_sync_threshold)
+    judge_weight: float = 0.0        # training only: + judge_weight * a judge's score (the env's, or rollout.judge's)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge (wings/judge.py; off)
     async_rollouts: bool = False     # sample later batches while the learner trains (wings/async_rollouts.py); needs
                                      # learner.off_policy (tis or mis)
@@ -194,7 +194,6 @@ class RayConfig:
     cpus_per_env_worker: float = 1.0  # CPUs of each env worker (no GPU; placed wherever Ray finds room)
 
 
-
 @dataclass
 class Config:
     seed: int = 0                    # seeds task sampling, the engine and the learner (all derived per step)
@@ -208,8 +207,7 @@ class Config:
     checkpoint_every: int = 0        # save a checkpoint every k steps (0: only at the end)
     keep_checkpoints: int = 0        # keep the newest k of checkpoints/ (0: all); older ones go once a new one is in place
     resume: str = ""                 # a checkpoint folder to resume from exactly, or "auto": the run's latest one
-    log_timings: bool = True         # wall-clock metrics (runs.is_timing) in metrics.jsonl; false: every record
-                                     # reproducible bit for bit
+    log_timings: bool = True         # wall-clock metrics (runs.is_timing); false: every record reproduces bit for bit
     wandb: bool = True               # log to wandb (offline unless WANDB_MODE says otherwise)
     wandb_project: str = "nano-skyrl"
     threads: int = 0                 # torch CPU threads (0: torch's default)
@@ -366,8 +364,7 @@ def validate(cfg: Config) -> Config:
     if cfg.algo.advantage == "none" and not cfg.algo.teacher_path:
         raise ValueError("algo.advantage=none (algo.name=distill) learns from a teacher alone: set algo.teacher_path")
     if cfg.algo.advantage == "none" and cfg.algo.kl_in_reward:
-        raise ValueError("algo.advantage=none has no reward to put a KL in: use learner.kl_coef without "
-                         "algo.kl_in_reward")
+        raise ValueError("algo.advantage=none has no reward to put a KL in: use learner.kl_coef (no algo.kl_in_reward)")
     if not 0 <= cfg.algo.overlong_cache <= cfg.rollout.agent.max_total_tokens:
         raise ValueError(f"algo.overlong_cache={cfg.algo.overlong_cache} must be >= 0 and at most "
                          f"rollout.agent.max_total_tokens={cfg.rollout.agent.max_total_tokens} (the penalty ramps over "
@@ -423,6 +420,9 @@ WING_CHECKS = {
     "wings.engine_openai": ("rollout.api_key_env", "rollout.weights_dir"),
     "wings.lora": ("learner.lora_rank", "learner.lora_alpha", "learner.lora_targets"),
     "wings.qlora": ("model.quantize",),
+    "wings.fast_decode": ("rollout.decode",),
+    "wings.memory": ("rollout.agent.memory", "rollout.agent.memory_turns", "rollout.agent.summary_every",
+                     "rollout.agent.summary_tokens"),
 }
 
 

@@ -229,6 +229,11 @@ class Env:
         training loop asks for it, and evaluate() never does, so a judge cannot inflate held-out metrics."""
         return None
 
+    def state_line(self, state: EnvState) -> str | None:
+        """One line on where an episode stands, kept in a memory policy's compacted prompt (wings/memory.py); step()
+        puts it in info["state_line"]. None (the default): the env offers none, and its info has no such key."""
+        return None
+
     def reset(self, task: Task, seed: int) -> tuple[EnvState, list[dict]]:
         """A new episode -> (state, [system, user]). `seed` is for envs with randomness (unused by toy_math)."""
         if task.env != self.name:
@@ -266,6 +271,8 @@ class Env:
                 "tool_errors": state.tool_errors - start.tool_errors,
                 "tool_timeouts": state.tool_timeouts - start.tool_timeouts,
                 "parse_failures": state.parse_failures - start.parse_failures}
+        if (line := self.state_line(state)):
+            info["state_line"] = line
         return state, obs, reward, done, info
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:

@@ -25,7 +25,7 @@ import re
 import time
 from dataclasses import replace
 
-from agent import AgentConfig, LocalRollouts, Trajectory
+from agent import AgentConfig, LocalRollouts, Trajectory, memory_metrics
 from chat import pad_token_id
 from env import Action, Env, Task, ToolCall, make_env, mix_seed
 from rollout import SamplingParams
@@ -65,12 +65,13 @@ def eval_metrics(tasks: dict[str, list[Task]], trajs: list[Trajectory], n_sample
             f"mean@{n_samples}": sum(t.reward for t in tr) / n,
             "mean_turns": turns / n,
             "tool_calls": sum(t.num_tool_calls for t in tr) / n,
-            "tokens": sum(len(t.token_ids) for t in tr) / n,
-            "response_tokens": sum(sum(t.loss_mask) for t in tr) / n,
+            "tokens": sum(len(r.token_ids) for t in tr for r in t.rows or [t]) / n,
+            "response_tokens": sum(sum(r.loss_mask) for t in tr for r in t.rows or [t]) / n,
             "parse_failure_rate": sum(t.parse_failures for t in tr) / max(turns, 1),  # per assistant turn
             "finished": sum(t.done for t in tr) / n,
         }
         m.update(pass_metrics(list(outcomes.values()), pass_k))
+        m.update(memory_metrics(tr))              # a memory policy's segments and compactions, when one played
         m.update(_env_metrics([t.info.get("metrics", {}) for t in tr]))  # env extras (e.g. code's pass fraction)
         metrics.update({f"eval/{name}/{k}": v for k, v in m.items()})
     for k in ("accuracy", f"mean@{n_samples}", *(f"pass@{k}" for k in pass_k), "mean_turns", "tool_calls", "tokens",

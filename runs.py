@@ -474,7 +474,7 @@ class PerfMeter:
         return out
 
     def times(self, batch, rollout: float, train: float, sync: float, step: float, elapsed: float) -> dict:
-        """The wall-clock metrics of one step (seconds of each phase, tokens per second) for agent.RolloutBatch
+        """The wall-clock metrics of one step (seconds of each phase, tokens per second) for batch.RolloutBatch
         `batch`, and the processes that trained it."""
         return {"perf/sync_seconds": sync, "perf/rollout_seconds": rollout, "perf/train_seconds": train,
                 "perf/step_seconds": step, "perf/rollout_tokens_per_s": float(batch.loss_mask.sum()) / max(rollout, 1e-9),

@@ -20,7 +20,8 @@ tokenizer_config.json with the chat template, generation_config.json) that trans
 It is cached under `model.cache_dir` by a hash of everything that determines it.
 
 Shapes: B sequences, T tokens.
-Imports: model.py, distributed.py, env.py, chat.py, agent.py, rollout.py, learner.py (and tokenizers, torch, the standard library).
+Imports: model.py, distributed.py, env.py, chat.py, agent.py, batch.py, rollout.py, learner.py (and tokenizers, torch, the
+standard library).
 """
 import dataclasses
 import hashlib
@@ -33,13 +34,14 @@ import time
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from agent import pad_right, run_episodes
+from agent import run_episodes
+from batch import pad_right
 from chat import encode, render, turn_ends
 from distributed import barrier, is_main
 from env import make_env
 from learner import LearnerConfig, make_learner, sft_step
 from model import ModelConfig, init_model, save_model
-from rollout import SamplingParams, make_engine
+from rollout import SamplingParams, make_engine, wing
 
 # Qwen2's special tokens, in Qwen's order, so that ids line up with the family's conventions.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
@@ -65,6 +67,15 @@ def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str]
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return tok
+
+
+def demonstration_rows(env, task, messages: list[dict], tokenizer: Tokenizer, cfg) -> list[tuple[list[int], list[int]]]:
+    """The (token ids, loss mask) rows a demonstration trains as: the whole conversation (tokenize_conversation), or
+    under a memory policy (rollout.agent.memory, cfg an agent.AgentConfig) the segments it plays as, the expert's
+    turns replayed through the agent loop (wings/memory.py, reached by name)."""
+    if cfg.memory == "full":
+        return [tokenize_conversation(messages, env.tools(), tokenizer, cfg.chat_format)]
+    return wing("wings.memory.demonstration_rows")(env, task, messages, tokenizer, cfg)
 
 
 def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: Tokenizer,
@@ -139,17 +150,17 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
 
     # --- 1. demonstrations, split across envs by their weights
     total_w = sum(e.weight for e in cfg.envs)
-    demos = []                                                    # (env, messages)
+    demos = []                                                    # (env, task, messages)
     for e in cfg.envs:
         n = max(1, round(sft.num_demos * e.weight / total_w))
         for task in envs[e.name].sample_tasks("train", n, sft.seed):
-            demos.append((envs[e.name], envs[e.name].demonstration(task, rng, rng.random() < sft.tool_use_prob)))
+            demos.append((envs[e.name], task, envs[e.name].demonstration(task, rng, rng.random() < sft.tool_use_prob)))
     rng.shuffle(demos)
 
-    # --- 2. tokenizer
-    texts = [render(m, env.tools(), chat_format=agent_cfg.chat_format) for env, m in demos[:5000]]
+    # --- 2. tokenizer; each demonstration as the rows it trains as (one, or a memory policy's segments)
+    texts = [render(m, env.tools(), chat_format=agent_cfg.chat_format) for env, _, m in demos[:5000]]
     tokenizer = train_tokenizer(texts, sft.vocab_size)
-    seqs = [tokenize_conversation(m, env.tools(), tokenizer, agent_cfg.chat_format) for env, m in demos]
+    seqs = [row for env, task, m in demos for row in demonstration_rows(env, task, m, tokenizer, agent_cfg)]
     log(f"[sft] {len(demos)} demonstrations, vocab {tokenizer.get_vocab_size()}, "
         f"mean length {sum(len(s[0]) for s in seqs) / len(seqs):.0f} tokens")
 

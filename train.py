@@ -16,17 +16,16 @@ The algorithm (GRPO by default; algo.name picks the others, config.ALGO_PRESETS)
                    gate (rollout.py): engine and learner must agree on a few continuations.
   5. eval, log, checkpoint   held-out evaluation every eval_every steps, metrics.jsonl (+ wandb), checkpoints.
 
-Departures from the papers: the reward is the sum of an episode's step rewards, given to every sampled token of the
-episode (a multi-turn episode is one "response" with the observations masked out; an episode may train as several
-rows, each given its episode's advantage: agent.RolloutBatch.episode_rows); batches without signal are skipped.
+Departures from the papers: an episode's reward (the sum of its step rewards) goes to every token it sampled, in
+every row it trains as (batch.RolloutBatch.episode_rows); batches without signal are skipped.
 
 A rollout source plays the episodes (agent.LocalRollouts), a schedule says when a batch is sampled and weights are
 pushed (SyncSchedule); wings answer the same calls, reached by name (rollout.wing). Under torchrun every rank runs
 main(): rank 0 alone plays, evaluates and writes; every rank takes its share of the update. Every random draw is
 mix_seed(seed, step, purpose): a resumed run repeats an uninterrupted one exactly. Outputs: runs/<run_name>/
 (runs.py). Shapes: B rows (episodes), T tokens, G group size.
-Imports: agent.py, chat.py, config.py, distributed.py, env.py, eval.py, learner.py, model.py, rollout.py, runs.py,
-sft.py, algos.py.
+Imports: model.py, algos.py, distributed.py, env.py, chat.py, agent.py, batch.py, rollout.py, learner.py, config.py,
+runs.py, eval.py, sft.py (and torch, tokenizers, tqdm, the standard library).
 """
 import argparse
 import copy
@@ -39,7 +38,8 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 import algos
-from agent import LocalRollouts, RolloutBatch, mixed_groups, rollout_metrics, to_batch
+from agent import LocalRollouts, mixed_groups, rollout_metrics
+from batch import RolloutBatch, to_batch
 from chat import pad_token_id
 from config import Config, config_exit, learner_configs, load_config
 from distributed import broadcast_object, cleanup_distributed, get_world_size, init_distributed, is_main, shard_model
@@ -140,8 +140,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         rewards, mask = algos.truncation_treatment(rewards, mask, batch.length_cut,   # episodes a length limit cut
                                                    cfg.algo.truncation, cfg.algo.truncation_penalty)
 
-    # --- the forward passes. top-k / top-p: the policy is scored on the truncated sets it sampled from (vLLM's
-    # sizes are inferred here); the reference and the teacher stay on the full vocabulary (learner.py, "scoring")
+    # --- the forward passes (top-k / top-p: the policy scored on the sets it sampled from; learner.py, "scoring")
     set_sizes = None                                                               # (B, T)
     if batch.kept_sizes is not None and bool(batch.kept_sizes.any()):
         set_sizes = infer_kept_sizes(policy.model, batch.input_ids, batch.kept_sizes, batch.logprobs,
@@ -193,7 +192,8 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
             adv = turn_credit(batch, rewards, G, cfg.algo.turn_gamma, cfg.algo.turn_baseline)   # (B, T)
             informative = bool((adv != 0).any())
         else:
-            adv = algos.group_advantages(rewards[last_row], G, cfg.algo.advantage)[episode][:, None] * mask  # (B, T)
+            adv = algos.segment_advantages(algos.group_advantages(rewards[last_row], G, cfg.algo.advantage),
+                                           episode, mask)                  # (B, T) every row: its episode's
             informative = bool(algos.dynamic_sampling_mask(batch.rewards[last_row], G).any())
     if teacher is not None:                                                        # on-policy distillation
         adv, m = algos.distillation_advantages(old, teacher_logprobs, mask, adv, cfg.algo.distill_coef)   # (B, T)

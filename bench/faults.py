@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import env as env_module  # noqa: E402
-from agent import AgentConfig, LocalRollouts, to_batch  # noqa: E402
+from agent import AgentConfig, LocalRollouts  # noqa: E402
+from batch import to_batch  # noqa: E402
 from chat import render  # noqa: E402
 from config import Config, load_config  # noqa: E402
 from env import Env, EnvState, Task, register_env  # noqa: E402

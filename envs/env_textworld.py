@@ -483,6 +483,12 @@ class TextWorldEnv(Env):
                            "invalid_actions": float(state.invalid_actions), "steps": float(state.steps)}
         return state, obs, state.value - before, done, info
 
+    def state_line(self, state: TWState) -> str:
+        """For a memory policy's compacted prompt (rollout.agent.memory): the score and every command played so far,
+        what the last turns it keeps cannot show (how far along the goal's path the episode is)."""
+        done = ", ".join(state.commands) or "none yet"
+        return f"Score: {state.score}/{state.max_score}. Commands played so far ({len(state.commands)}): {done}."
+
     def on_text(self, state: TWState, text: str) -> tuple[TWState, list[dict], float, bool, dict]:
         """A message without a tool call does nothing in the game: an invalid action, not an answer."""
         state = replace(state, invalid_actions=state.invalid_actions + 1, steps=state.steps + 1)

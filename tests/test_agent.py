@@ -24,7 +24,8 @@ from conftest import IN_CI, need
 
 import agent
 import env as env_module
-from agent import AgentConfig, Trajectory, rollout_metrics, run_episodes, state_key, to_batch
+from agent import AgentConfig, Trajectory, rollout_metrics, run_episodes, state_key
+from batch import to_batch
 from chat import make_action, parse_assistant_message, render, render_continuation
 from rollout import Generation, SamplingParams
 from sft import QWEN25_CHAT_TEMPLATE

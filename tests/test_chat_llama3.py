@@ -598,7 +598,7 @@ def test_the_embedded_qwen_model_is_refused_before_it_is_built(tmp_path):
 def test_tiny_llama_trains_end_to_end(tmp_path):
     import torch
 
-    from agent import pad_right
+    from batch import pad_right
     from config import load_config
     from learner import LearnerConfig, make_learner, sft_step
     from model import ModelConfig, init_model, save_model

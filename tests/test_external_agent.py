@@ -223,7 +223,7 @@ def test_a_branched_session_trains_as_one_row_per_request_each_the_engines_own(t
     """A client that rewrites its history (here it drops the reply and asks afresh) is not one token sequence: the
     episode trains as one row per request, each row exactly the prompt ids the engine was given and what it sampled
     (never re-tokenized), and every row gets its episode's group advantage (the baseline over episodes)."""
-    from agent import to_batch
+    from batch import to_batch
     from train import compute_advantages
 
     def agent(task, base_url, session):

@@ -21,10 +21,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the core, bottom to top: a core file imports only core files listed before it
-CORE = ["model", "algos", "plot", "distributed", "sandbox", "tools", "env", "tool_calls", "chat", "agent", "rollout",
-        "microbatch", "learner", "config", "runs", "eval", "sft", "train"]
+CORE = ["model", "algos", "plot", "distributed", "sandbox", "tools", "env", "tool_calls", "chat", "agent", "batch",
+        "rollout", "microbatch", "learner", "config", "runs", "eval", "sft", "train"]
 WINGS = ["wings/" + n for n in ("engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "qlora",
-                                "cluster", "chat_llama3", "serve", "judge", "external_agent")]
+                                "cluster", "chat_llama3", "serve", "judge", "external_agent", "memory")]
 WORLD_LIBS = ["envs/worlds", "envs/sandbox_exec"]   # what only the worlds share: expert replay and JSON-lines files;
                                                     # the python_exec sandbox of the code worlds
 WORLDS = ["envs/" + n for n in ("env_math", "env_search", "env_code", "env_humaneval", "env_webshop", "env_alfworld",

@@ -207,7 +207,7 @@ def test_token_budget_micro_batches_pack_by_length_and_keep_the_gradient():
 def sampled_batch(model, params, prompts, pad=0):
     """Rollouts of a TorchEngine as a TrainBatch: prompt + generation per row, right-padded, mask on the generated
     tokens, the engine's log-probs and kept-set sizes, random advantages."""
-    from agent import pad_right
+    from batch import pad_right
     from rollout import TorchEngine
     gens = TorchEngine(model, pad).generate(prompts, params)
     rows = [prompts[i // params.n] for i in range(len(gens))]

@@ -171,7 +171,7 @@ def test_turn_credit_broadcasts_each_turns_advantage():
     """train.turn_credit on a hand-made batch: one turn per episode is RLOO; with two turns each turn's tokens get
     their own return minus the other episode's at that position; a penalty added to the episode reward lands on its
     last turn."""
-    from agent import RolloutBatch
+    from batch import RolloutBatch
     from train import turn_credit
     # G = 2. Episode 0: turns at tokens 1-2 and 4, rewards [0.5, 1]; episode 1: one turn at tokens 1-3, reward 0.
     turn_index = torch.tensor([[-1, 0, 0, -1, 1], [-1, 0, 0, 0, -1]])
@@ -198,7 +198,7 @@ def test_turn_credit_broadcasts_each_turns_advantage():
 def test_turn_credit_state_baseline_matches_states_across_positions():
     """algo.turn_baseline=state: a turn is compared with the other episodes' turns from the same state key, at any
     position (GiGPO's anchor states); a turn whose state no other episode visited keeps the position baseline."""
-    from agent import RolloutBatch
+    from batch import RolloutBatch
     from train import turn_credit
     # G = 2. Episode 0 visits states [A, B], episode 1 [B, C]; rewards: ep 0 [0, 1], ep 1 [1, 0].
     turn_index = torch.tensor([[0, 1], [0, 1]])
@@ -236,7 +236,7 @@ def episode_rows_case():
 
 
 def test_to_batch_gives_every_row_its_episode_and_numbers_turns_within_it():
-    from agent import to_batch
+    from batch import to_batch
     _, trajs = episode_rows_case()
     batch = to_batch(trajs, pad_id=0)
     assert batch.input_ids.shape == (5, 7) and batch.lengths.tolist() == [4, 7, 3, 3, 3]
@@ -254,7 +254,7 @@ def test_to_batch_gives_every_row_its_episode_and_numbers_turns_within_it():
 def test_an_episode_as_rows_gets_the_advantages_it_gets_as_one_row(tiny, credit):
     """The group baseline is over episodes: episode 0 split into two rows counts once in its group, and each sampled
     token of each row gets the advantage the same token gets when the episode is one row (GRPO, and turn credit)."""
-    from agent import to_batch
+    from batch import to_batch
     from train import compute_advantages
     cfg = tiny("rollout.agent.n_samples=2", f"algo.credit={credit}", "algo.advantage=rloo" if credit == "turn" else
                "algo.advantage=grpo")

@@ -155,7 +155,7 @@ def test_top_k_top_p_log_probs_equal_the_learners_on_the_inferred_sets(engine, m
     ones truncation_mask gives on the learner's logits except where vLLM's own rounding of the cumulative mass
     (summed in the other direction) puts a token on the other side of top_p. The full-vocabulary learner
     log-prob does not agree: the test can fail."""
-    from agent import pad_right
+    from batch import pad_right
     from learner import compute_logprobs, infer_kept_sizes, truncated_score
     params = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=10, seed=3)
     outs = engine.generate(PROMPTS, params)
