@@ -69,13 +69,14 @@ def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str]
     return tok
 
 
-def demonstration_rows(env, task, messages: list[dict], tokenizer: Tokenizer, cfg) -> list[tuple[list[int], list[int]]]:
+def demonstration_rows(env, task, messages: list[dict], tokenizer: Tokenizer, cfg, max_tokens: int
+                       ) -> list[tuple[list[int], list[int]]]:
     """The (token ids, loss mask) rows a demonstration trains as: the whole conversation (tokenize_conversation), or
-    under a memory policy (rollout.agent.memory, cfg an agent.AgentConfig) the segments it plays as, the expert's
-    turns replayed through the agent loop (wings/memory.py, reached by name)."""
+    under a memory policy (rollout.agent.memory, cfg an agent.AgentConfig; max_tokens: rollout.max_tokens) the
+    segments it plays as, the expert's turns replayed through the agent loop (wings/memory.py, reached by name)."""
     if cfg.memory == "full":
         return [tokenize_conversation(messages, env.tools(), tokenizer, cfg.chat_format)]
-    return wing("wings.memory.demonstration_rows")(env, task, messages, tokenizer, cfg)
+    return wing("wings.memory.demonstration_rows")(env, task, messages, tokenizer, cfg, max_tokens)
 
 
 def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: Tokenizer,
@@ -160,7 +161,8 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     # --- 2. tokenizer; each demonstration as the rows it trains as (one, or a memory policy's segments)
     texts = [render(m, env.tools(), chat_format=agent_cfg.chat_format) for env, _, m in demos[:5000]]
     tokenizer = train_tokenizer(texts, sft.vocab_size)
-    seqs = [row for env, task, m in demos for row in demonstration_rows(env, task, m, tokenizer, agent_cfg)]
+    seqs = [row for env, task, m in demos
+            for row in demonstration_rows(env, task, m, tokenizer, agent_cfg, cfg.rollout.max_tokens)]
     log(f"[sft] {len(demos)} demonstrations, vocab {tokenizer.get_vocab_size()}, "
         f"mean length {sum(len(s[0]) for s in seqs) / len(seqs):.0f} tokens")
 

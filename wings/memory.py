@@ -175,11 +175,12 @@ class _Replay:
         return [Generation(ids, [0.0] * len(ids), "stop") for ids in out]
 
 
-def demonstration_rows(env: Env, task: Task, messages: list[dict], tokenizer, cfg: AgentConfig
+def demonstration_rows(env: Env, task: Task, messages: list[dict], tokenizer, cfg: AgentConfig, max_tokens: int
                        ) -> list[tuple[list[int], list[int]]]:
     """The (token ids, loss mask) rows of one expert demonstration (env.demonstration's messages) as memory policy
-    cfg.memory segments it: the expert's turns replayed through agent.play_episodes, the env stepping for real, so
-    each row is exactly a prompt the policy will be given and the expert's answer to it (mask 1)."""
+    cfg.memory segments it, with rollout.max_tokens = max_tokens (when a summary is due depends on it): the expert's
+    turns replayed through agent.play_episodes, the env stepping for real, so each row is exactly a prompt the policy
+    will be given and the expert's answer to it (mask 1)."""
     tools, fmt = env.tools(), cfg.chat_format
     turns = []
     for i, m in enumerate(messages):
@@ -194,6 +195,6 @@ def demonstration_rows(env: Env, task: Task, messages: list[dict], tokenizer, cf
     request = memory._encode([{"role": "user", "content": SUMMARY_REQUEST}])
     engine = _Replay(turns, lambda p: p[-len(request):] == request,
                      lambda: encode(tokenizer, (trajs[0].info.get("state_line") or "") + turn_ends(fmt)[0]))
-    params = SamplingParams(max_tokens=cfg.max_total_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     play_episodes(engine, trajs, states, tokenizer, one, params, 0, lambda calls: step_envs({env.name: env}, calls))
     return [(r.token_ids, r.loss_mask) for r in trajs[0].rows or trajs]
