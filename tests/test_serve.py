@@ -27,7 +27,8 @@ from model import save_model
 from rollout import SamplingParams, TorchEngine, assert_synced, logprob_gap, make_engine, row_seeds, sync_probe
 from sft import write_tokenizer_files
 from wings.engine_openai import OpenAIEngine
-from wings.serve import Server, session_trajectories
+from wings.capture import session_trajectories
+from wings.serve import Server
 from test_agent import CalcEnv, ScriptedEngine, call_text, calc_task, three_turn_script, tok  # noqa: F401 (a fixture)
 from test_openai_engine import tiny_model
 
@@ -153,8 +154,9 @@ def test_chat_gives_the_engines_own_ids_logprobs_and_kept_sizes(served, tok, mod
 
 def test_openai_engine_against_the_server_equals_the_engine(served, model):
     """engine_openai (our client of `vllm serve`) over this server: each prompt is one request with its row seed,
-    so the server's engine call is exactly engine.generate([prompt], seeded) and nothing may differ."""
-    client = OpenAIEngine(served.url, MODEL)
+    sent one at a time, so the server's batch holds that request alone, its engine call is exactly
+    engine.generate([prompt], seeded) and nothing may differ (concurrent requests: test_serve_batching.py)."""
+    client = OpenAIEngine(served.url, MODEL, max_concurrency=1)
     prompts = [[5, 9, 3, 7, 11, 2, 8], [4], [13, 6, 6, 1]]
     engine = TorchEngine(model, 0)
     for params in [SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=3, stop_token_ids=(17,)),
@@ -357,11 +359,16 @@ def test_a_push_changes_versions_and_the_gate_checks_the_served_engine(tok, mode
     server.start(), stale.start()
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Compute 1 + 1."}], "max_tokens": 6,
-                "user": "v"}
-        assert post(server.url, "/chat/completions", body)[0] == 200
+                "user": "v", "stop": "\n"}
+        status, first = post(server.url, "/chat/completions", body)
+        assert status == 200
         learner = perturbed(model)
         weights = dict(learner.named_parameters())
         assert push(server.url, weights, TOKEN, version=7) == {"version": 7, "tensors": len(weights)}
+        # the session goes on after the push: the reply sent back, then a user turn (greedy: a reply the tiny model
+        # can re-encode to the sampled ids)
+        body = {**body, "temperature": 0, "messages": body["messages"] + [first["choices"][0]["message"], {
+            "role": "user", "content": "And 2 + 2?"}]}
         assert post(server.url, "/chat/completions", body)[0] == 200
         assert get(server.url, "/models")[1]["data"][0]["weight_version"] == 7
         before, after = server.capture.calls("v")
@@ -421,6 +428,10 @@ def test_sessions_endpoint_returns_and_pops_records(served):
 # -----------------------------------------------------------------------------
 # bad requests
 
+CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+         411: "length_required", 413: "request_too_large"}     # OpenAI's categories, not the status (serve_http.CODES)
+SPECIFIC = {"unknown model": "model_not_found", "context too long": "context_length_exceeded",
+            "prompt too long": "context_length_exceeded"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETE = {"model": MODEL, "prompt": [5, 9, 3], "max_tokens": 4}
 BAD = {   # name: (path, body (dict, or raw bytes), status, a piece of the message)
@@ -449,7 +460,7 @@ BAD = {   # name: (path, body (dict, or raw bytes), status, a piece of the messa
     "seed string": ("/chat/completions", {**CHAT, "seed": "x"}, 400, "seed"),
     "stop not strings": ("/chat/completions", {**CHAT, "stop": [1]}, 400, "stop"),
     "stop ids out of vocab": ("/completions", {**COMPLETE, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
-    "stream": ("/chat/completions", {**CHAT, "stream": True}, 400, "stream"),
+    "stream not a bool": ("/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream"),
     "top_logprobs": ("/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
     "logprobs not bool": ("/chat/completions", {**CHAT, "logprobs": 2}, 400, "logprobs"),
     "completion logprobs 5": ("/completions", {**COMPLETE, "logprobs": 5}, 400, "logprobs"),
@@ -473,12 +484,13 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_goes_on(served, case):
     path, body, status, message = BAD[case]
     got, reply = post(served.url, path, body)
     assert got == status, reply
-    assert message in reply["error"]["message"] and reply["error"]["code"] == status
+    code = SPECIFIC.get(case, CODES[status])      # a specific reason where OpenAI gives one, else the category
+    assert message in reply["error"]["message"] and reply["error"]["code"] == code
     assert post(served.url, "/chat/completions", CHAT)[0] == 200
 
 
 def test_malformed_http_is_answered(served):
-    host, port = served.httpd.server_address[:2]
+    host, port = served.address
     for method, path, headers, status in [("POST", "/v1/completions", {}, 411),                   # no length
                                           ("GET", "/v1/chat/completions", {}, 405),
                                           ("POST", "/v1/completions", {"Content-Length": "-3"}, 413),
@@ -489,7 +501,7 @@ def test_malformed_http_is_answered(served):
             conn.putheader(k, v)
         conn.endheaders()
         r = conn.getresponse()
-        assert r.status == status and json.loads(r.read())["error"]["code"] == status
+        assert r.status == status and json.loads(r.read())["error"]["code"] == CODES[status]
         conn.close()
     assert post(served.url, "/chat/completions", CHAT)[0] == 200
 

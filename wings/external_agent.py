@@ -3,49 +3,57 @@ wing of train.py: the rollout source; turned on by rollout.external_agent=path.p
 
     python train.py --config configs/toy_math.yaml rollout.external_agent=examples/calc_agent.py:run
 
-The user's callable is run once per episode, in a thread of this process:
+The user's callable is run once per episode, in a thread of this process (WORKERS at once: a step's episodes all
+play together, so the server batches their requests as our agent loop batches its turns):
 
     run(task: dict, base_url: str, session: str) -> float | str | list[float] | None
 
   task      {"id", "env", "prompt"}: the task as plain data. The reference answer is left out: the agent never sees it.
-  base_url  a serve.Server over the run's engine (http://127.0.0.1:PORT/v1), which any OpenAI client can talk to.
-            It serves whatever model name the agent asks for: the policy being trained answers.
-  session   the episode's id, to be sent with every request, as OpenAI's `user` field or the X-Session-Id header.
-            A request that names no session, or one not running now, is refused (400).
+  base_url  a serve.Server over the run's engine (http://127.0.0.1:PORT/v1), which any OpenAI client can talk to
+            (Anthropic's client: the same URL without /v1). It serves whatever model name the agent asks for: the
+            policy being trained answers.
+  session   the episode's id, to be sent with every request, as OpenAI's `user` field, Anthropic's
+            metadata.user_id or the X-Session-Id header. A request that names no session, or one not running now,
+            is refused (400).
   returns   a number: the episode's reward (the agent grades itself); a string: its final answer, graded here by the
             env's own grader (env.grade_answer(task, answer), as env.step grades a finish call: the reference stays
-            with the trainer); a list of numbers: one reward per turn (per request of the session), their sum the
-            episode's reward (algo.credit=turn uses them; otherwise the last turn's own credit). None, a NaN, a bool
-            or anything else: no reward.
+            with the trainer); a list of numbers: one reward per turn (per request of the session that is trained: a
+            resent request counts once), their sum the episode's reward (algo.credit=turn uses them; otherwise the
+            last turn's own credit). None, a NaN, a bool or anything else: no reward.
 
 What the agent may not choose: the server samples with the run's settings (rollout.temperature, top_p, top_k; at
 eval, eval_temperature), and a request that asks for other ones is refused (400) rather than trained on as if it had
 been sampled otherwise; max_tokens is capped at rollout.max_tokens and at the room left in the context window
 (rollout.agent.max_total_tokens; a prompt that already fills it is refused: context_length_exceeded); the seed is
-the episode's own, mix_seed(episodes seed, group, sample, call index), so a run is reproducible whatever order the
-threads reach the engine in (the server serves calls one at a time, so each call's seed gives its samples).
+the episode's own, mix_seed(mix_seed(seed, group, sample), k) for the session's k-th request, and the server gives
+each request the same tokens whatever shares its batch, so a run samples the same tokens whatever order the threads
+reach the engine in (the log-probs agree to float rounding: wings/batcher.py's docstring says why).
 
 An episode counts as failed, and its group is dropped and refilled (train.collect_rollouts, exactly as for an env
 that raised: finish_reason "env_error", counted in rollout/failed_episodes and rollout/dropped_groups) when the
 agent raises (rollout/external_errors), runs past its timeout (rollout/external_timeouts: a `timeout_s` attribute
 on the callable, else TIMEOUT_S; the thread cannot be killed, so it is left to finish on its own, daemonic, and its
 session is closed: its later requests are refused), returns no reward (rollout/external_no_reward), made no request,
-or asked for n > 1 samples where it is not known which one it went on with (rollout/external_multi_sample: on its
-last call, or on any call of a branched session). Held-out evaluation plays through the same agent, and a failed
-episode there scores 0.
+or asked for n > 1 samples on a request that no later request continues, where it is not known which one it went on
+with (rollout/external_multi_sample). Held-out evaluation plays through the same agent, and a failed episode there
+scores 0.
 
-A session whose client rewrote its history (it dropped a think block, edited an earlier message: the prefix invariant
-of serve.py broke) is not one token sequence. It trains as one row per call (agent.Trajectory.rows), each row the
-exact prompt ids the engine was given for that call (mask 0) and what it sampled (mask 1): nothing re-tokenized. Its
-rows share the episode's reward and advantage (the group baseline is over episodes, not rows; train.py), each row's
-turn numbered within the episode for algo.credit=turn; counted in rollout/external_branched.
+A session is not always one token sequence (capture.py's docstring): a client that rewrote its history (it dropped a
+think block, edited an earlier message: the prefix invariant broke) or made a side call (a title, a summary) trains
+as several rows (agent.Trajectory.rows), one per chain of requests, each the exact prompt ids the engine was given
+(mask 0) and what it sampled (mask 1): nothing re-tokenized. Its rows share the episode's reward and advantage (the
+group baseline is over episodes, not rows; train.py), each row's turns numbered within the episode for
+algo.credit=turn; counted in rollout/external_branched. A request the client resent (it timed out) is trained once:
+the first, orphaned, is dropped (rollout/external_orphans), and a request whose client left before its answer was
+complete is never recorded (rollout/external_disconnects).
 
-The trajectories are serve.session_trajectories' rows: exactly the ids the engine was given and sampled, with its
+The trajectories are capture.session_trajectories' rows: exactly the ids the engine was given and sampled, with its
 log-probs, kept-set sizes and weight versions, so group advantages, turn credit and the off-policy corrections work
-unchanged. Weights go to the engine through the Server (update_weights under its lock), and the weight-sync gate
+unchanged. Weights go to the engine through the Server (update_weights, between batches), and the weight-sync gate
 probes the engine through it (generate), as for any rollout source. Docs: docs/external_agent.md.
 
-Imports: env.py, agent.py, wings/serve.py (and the standard library).
+Imports: env.py, agent.py, wings/capture.py, wings/serve.py, wings/serve_http.py (RequestError) (and the standard
+library).
 """
 import importlib.util
 import math
@@ -56,10 +64,13 @@ from dataclasses import dataclass, replace
 
 from agent import AgentConfig, Trajectory, finish_episodes
 from env import Env, Task, mix_seed
-from wings.serve import RequestError, Server, Stops, session_trajectories
+from wings.capture import session_trajectories
+from wings.serve import Server, Stops
+from wings.serve_http import RequestError
 
 TIMEOUT_S = 600.0          # seconds an episode may run, unless the callable has a `timeout_s` attribute
-WORKERS = 32               # episodes running at once (threads); the engine still serves one call at a time
+WORKERS = 256              # episodes running at once (threads): the server batches the calls they make together,
+                           # so a step's episodes (the main config: 16 prompts x 8) should all run at once
 
 
 def check_config(cfg) -> list:
@@ -110,12 +121,12 @@ class RunServer(Server):
     def __init__(self, engine, tokenizer, chat_format: str, context: int):
         super().__init__(engine, tokenizer, "policy", chat_format, max_model_len=context, max_n=8)
         self.params = None                            # the SamplingParams of the play() in progress
-        self.seeds: dict[str, int] = {}               # running session -> its seed (mix_seed(seed, group, sample))
+        self.seeds: dict[str, list[int]] = {}         # running session -> [its seed, its next call's index]
         self.sessions_lock = threading.Lock()
 
     def open(self, session: str, seed: int):
         with self.sessions_lock:
-            self.seeds[session] = seed
+            self.seeds[session] = [seed, 0]
 
     def close(self, session: str) -> list:
         """The session's calls, handed over; later requests naming it are refused."""
@@ -127,20 +138,17 @@ class RunServer(Server):
         if not isinstance(body.get("model", ""), str):
             raise RequestError(400, "model must be a string", "model")
 
-    def run_body(self, body: dict, session: str | None) -> dict:
-        """The request with the episode's seed in it (the call index within the session picks it), or a 400."""
+    def session_body(self, body: dict, session: str | None) -> dict:
+        """The request with the episode's seed in it, mix_seed(its seed, k) for the session's k-th request, or a
+        400 when the session is not an episode running now."""
         with self.sessions_lock:
-            seed = self.seeds.get(session) if session is not None else None
-        if seed is None:
-            raise RequestError(400, f"session {session!r} is not an episode running now: send the session id given "
-                                    "to your run() as `user` or the X-Session-Id header", "user")
-        return {**body, "seed": mix_seed(seed, len(self.capture.calls(session)))}
-
-    def chat(self, body: dict, session: str | None) -> dict:
-        return super().chat(self.run_body(body, session), session)
-
-    def completions(self, body: dict, session: str | None) -> dict:
-        return super().completions(self.run_body(body, session), session)
+            entry = self.seeds.get(session) if session is not None else None
+            if entry is None:
+                raise RequestError(400, f"session {session!r} is not an episode running now: send the session id "
+                                        "given to your run() as `user`, metadata.user_id or the X-Session-Id header",
+                                   "user")
+            k, entry[1] = entry[1], entry[1] + 1
+        return {**body, "seed": mix_seed(entry[0], k)}
 
     def sampling(self, body: dict, prompt_len: int, stops: Stops):
         """The run's temperature, top_p and top_k (a request asking for others is refused), max_tokens capped at the
@@ -236,35 +244,37 @@ def failed(task: Task, group: int, sample: int, error: str) -> Trajectory:
 
 
 def episode(calls: list, outcome: Outcome, env: Env, task: Task, group: int, sample: int, session: str
-            ) -> tuple[Trajectory, str]:
-    """One episode's session and what its callable gave -> (its trajectory, its kind: ok | branched (trained as rows
-    per turn) | error | timeout | no_reward | multi_sample)."""
+            ) -> tuple[Trajectory, str, dict]:
+    """One episode's session and what its callable gave -> (its trajectory, its kind: ok | branched (trained as
+    several rows) | error | timeout | no_reward | multi_sample, capture.session_trajectories' metrics)."""
     if outcome.timed_out:
-        return failed(task, group, sample, f"the agent ran past its timeout (session {session})"), "timeout"
+        return failed(task, group, sample, f"the agent ran past its timeout (session {session})"), "timeout", {}
     if outcome.error is not None:
-        return failed(task, group, sample, f"the agent raised {outcome.error}"), "error"
+        return failed(task, group, sample, f"the agent raised {outcome.error}"), "error", {}
     if not calls:
-        return failed(task, group, sample, f"the agent made no request in session {session}"), "error"
+        return failed(task, group, sample, f"the agent made no request in session {session}"), "error", {}
     rows, metrics = session_trajectories(calls, session)
-    branched = bool(metrics["serve/branched"])
-    if len(rows) != (len(calls) if branched else 1):
-        return failed(task, group, sample, f"session {session} asked for n > 1 samples on "
-                                           f"{'a' if branched else 'its last'} call: which one the agent went on "
-                                           "with, and so what its reward is the outcome of, is not known"), "multi_sample"
-    graded = grade(outcome.result, env, task, len(calls))
+    if metrics["serve/multi_sample_ends"]:
+        where = "its last call" if len(calls[-1].samples) > 1 else "a call that no later call continues"
+        return failed(task, group, sample, f"session {session} asked for n > 1 samples on {where}: which one the "
+                                           "agent went on with, and so what its reward is the outcome of, is not "
+                                           "known"), "multi_sample", metrics
+    turns = sum(r.num_turns for r in rows)             # the requests trained: a resent one once
+    graded = grade(outcome.result, env, task, turns)
     if graded is None:
-        return failed(task, group, sample, f"the agent returned no reward: {outcome.result!r:.200}"), "no_reward"
+        return failed(task, group, sample, f"the agent returned no reward: {outcome.result!r:.200}"), "no_reward", \
+            metrics
     for row in rows:
         row.task, row.group, row.sample = task, group, sample
     traj = rows[-1]                                    # the episode: its last row, with the episode's counts
-    if branched:                                       # trained as one row per turn (agent.Trajectory.rows)
-        traj = replace(traj, rows=rows, num_turns=len(calls), num_tool_calls=sum(r.num_tool_calls for r in rows),
-                       parse_failures=sum(r.parse_failures for r in rows))
+    branched = len(rows) > 1
+    if branched:                                       # trained as several rows (agent.Trajectory.rows)
+        traj = replace(traj, rows=rows, num_turns=turns, num_tool_calls=sum(r.num_tool_calls for r in rows),
+                       parse_failures=sum(r.parse_failures for r in rows),
+                       truncated_turns=sum(r.truncated_turns for r in rows))
     traj.reward, traj.turn_rewards, traj.info = graded
     traj.done, traj.finish_reason = True, "done"       # the agent ended the episode
-    used = [c.samples[n.parent or 0] for c, n in zip(calls, calls[1:])] + [calls[-1].samples[0]]
-    traj.truncated_turns = sum(s.finish_reason == "length" for s in used)   # turns cut at max_tokens
-    return traj, "branched" if branched else "ok"
+    return traj, "branched" if branched else "ok", metrics
 
 
 # -----------------------------------------------------------------------------
@@ -294,19 +304,24 @@ class ExternalRollouts:
             self.server.open(session, mix_seed(seed, g, s))
         args = [({"id": tasks[g].id, "env": tasks[g].env, "prompt": tasks[g].prompt}, self.url, session)
                 for g, s, session in jobs]
+        disconnected = self.server.capture.disconnected
         outcomes = run_callables(self.fn, args, self.timeout_s, on_timeout=lambda i: self.server.close(jobs[i][2]))
-        trajs, kinds = [], []
+        trajs, kinds, orphans = [], [], 0
         for (g, s, session), outcome in zip(jobs, outcomes):
-            traj, kind = episode(self.server.close(session), outcome, self.envs[tasks[g].env], tasks[g], g, s, session)
+            traj, kind, metrics = episode(self.server.close(session), outcome, self.envs[tasks[g].env], tasks[g], g,
+                                          s, session)
             trajs.append(traj)
             kinds.append(kind)
+            orphans += metrics.get("serve/orphans", 0.0) if kind in ("ok", "branched") else 0.0
         finish_episodes(self.envs, trajs, judge_weight, self.judge)    # judge_weight > 0: the judge's score added
         counted = {"error": "errors", "timeout": "timeouts", "no_reward": "no_reward", "branched": "branched",
                    "multi_sample": "multi_sample"}
-        return trajs, {f"rollout/external_{name}": float(kinds.count(kind)) for kind, name in counted.items()}
+        return trajs, {**{f"rollout/external_{name}": float(kinds.count(kind)) for kind, name in counted.items()},
+                       "rollout/external_orphans": orphans,
+                       "rollout/external_disconnects": float(self.server.capture.disconnected - disconnected)}
 
     def generate(self, prompts: list[list[int]], params) -> list:
-        """The engine's generate, through the server's lock (the weight-sync gate's probe)."""
+        """The engine's generate, between the server's batches (the weight-sync gate's probe)."""
         return self.server.generate(prompts, params)
 
     def update_weights(self, state_dict: dict, version: int | None = None) -> dict[str, float]:

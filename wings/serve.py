@@ -1,37 +1,47 @@
-"""serve.py: an OpenAI-compatible HTTP server over any of our engines that records, per session, every token it
-samples (a wing of rollout.py and agent.py).
+"""serve.py: an OpenAI- and Anthropic-compatible HTTP server over any of our engines that batches the requests in
+flight and records, per session, every token it samples (a wing of rollout.py and agent.py).
 
     python -m wings.serve --checkpoint runs/toy_math/final --port 8000  # a run's checkpoint or a Hugging Face folder
 
-Endpoints (https://platform.openai.com/docs/api-reference, and vLLM's extensions of /v1/completions):
+Endpoints (https://platform.openai.com/docs/api-reference, vLLM's extensions of /v1/completions, and
+https://docs.anthropic.com/en/api/messages):
   POST /v1/chat/completions  messages + tools in OpenAI's format, rendered with chat.render, sampled by the engine,
                              tool calls parsed by chat.make_action (parse_tool_calls) and returned as `tool_calls`
   POST /v1/completions       prompts as text or token ids; token ids back (return_token_ids), as `vllm serve` does,
                              so engine_openai.OpenAIEngine is a client of this server
+  POST /v1/messages          Anthropic's Messages API, translated into a chat request by serve_anthropic.py
   GET  /v1/models            the one served model, with the version of its weights
   POST /v1/weights           a trainer's push (safetensors bytes), authenticated by a bearer token
   GET  /v1/sessions/ID       a session's records (authenticated; ?pop=1 also forgets them)
-Standard library HTTP (ThreadingHTTPServer: one thread per connection) and one lock around the engine: calls are
-served one at a time, in arrival order, so a push never lands mid-generation and each token's version is known.
+The three sampling endpoints stream with stream=true: server-sent events in the dialect's own format (OpenAI's
+chunks, tool calls as tool_call deltas, stream_options.include_usage; Anthropic's message events). A streamed call
+is recorded exactly as the same call unstreamed: the answer is built by the same code from the same samples, and
+only the text that can no longer change is sent before the end (releasable).
 
-Capture. A request names its session by the X-Session-Id header or OpenAI's `user` field. For every call the
-Capture keeps the exact prompt ids, sampled ids, engine log-probs, kept-set sizes and the weight version of every
-token (typed records: Call, Sample). session_trajectories turns a session into agent.Trajectory rows: one trajectory
-when every turn's prompt extends the previous turn's prompt and one of its completions token for token (the new
-tokens are observations, mask 0, as agent.play_episodes appends them); otherwise ("branching": the client dropped a
-think block, edited a message, re-ordered tools) one row per turn, each its own prompt (mask 0) and completion
-(mask 1), counted in serve/branched. Rows hold only ids the engine saw or sampled, never re-tokenized text.
+How it runs. serve_http.py reads every connection on one asyncio event loop (a connection is a coroutine, not a
+thread); this file's handlers parse and render there, hand the prompt to batcher.py's Scheduler, and await the
+engine. The Scheduler's thread runs a plain TorchEngine as a continuous batch (requests in flight share forward
+passes, each with its own seed: a seeded request gives the same tokens whatever shares its batch), other engines
+one request at a time; pushes and the weight-sync gate's probe run between batches, so every token's version is
+known. docs/serve.md says what the server promises under load.
+
+Capture: capture.py. A request names its session by the X-Session-Id header, OpenAI's `user` field or Anthropic's
+metadata.user_id; its place in the session is reserved when the engine is given it (serving order), and filled when
+its answer is complete (a client that left is not recorded, counted). capture.session_trajectories turns a session
+into agent.Trajectory rows.
 
 Weights. In-process (colocated with the trainer), Server.update_weights(state_dict, version) is the engine's own
-update under the lock; remotely, a trainer sends the same to POST /v1/weights (engine_openai.OpenAIEngine.push). The
-Server answers `generate` like an engine, so rollout.sync_probe (through it, or through an OpenAIEngine over HTTP) and
-rollout.logprob_gap check it after a push like any other engine. Docs: docs/serve.md.
+update on the engine thread; remotely, a trainer sends the same to POST /v1/weights (engine_openai.OpenAIEngine.push).
+The Server answers `generate` like an engine, so rollout.sync_probe (through it, or through an OpenAIEngine over
+HTTP) and rollout.logprob_gap check it after a push like any other engine. Docs: docs/serve.md.
 
-Imports: env.py, tool_calls.py, chat.py, agent.py, rollout.py, runs.py (the CLI's folder check) (and torch,
-safetensors, tokenizers, the standard library).
+Imports: tool_calls.py, chat.py, rollout.py, runs.py (the CLI's folder check), wings/capture.py, wings/batcher.py,
+wings/serve_http.py, wings/serve_anthropic.py (and torch, safetensors, tokenizers, the standard library).
 """
 import argparse
+import asyncio
 import dataclasses
+import functools
 import hmac
 import inspect
 import itertools
@@ -42,162 +52,32 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 from safetensors.torch import load as safetensors_load
 from tokenizers import Tokenizer
 
-from agent import Trajectory
 from chat import CHAT_FORMATS, encode, make_action, pad_token_id, parse_assistant_message, render, turn_ends
-from env import Task
-from rollout import Generation, SamplingParams, make_engine
+from rollout import Generation, SamplingParams, make_engine, row_seeds
 from runs import check_model_folder
 from tool_calls import TOOL_CALL_OPEN
+from wings import serve_anthropic
+from wings.batcher import Job, Scheduler
+from wings.capture import Call, Capture, Sample, Slot
+from wings.serve_http import ClientGone, HTTPServer, Request, RequestError, Stream
 
 TOKEN_ENV = "NANO_SKYRL_SERVE_TOKEN"      # the env var holding the bearer token of /v1/weights and /v1/sessions
-DRAIN_BYTES = 64 << 20                    # a refused body up to this size is read (and dropped) before the 413
-
-
-# -----------------------------------------------------------------------------
-# capture: what was sampled, per session
-
-@dataclass
-class Sample:
-    """One completion of a call, exactly as the engine sampled it."""
-    token_ids: list[int]               # (N,) sampled ids, the stop token included when one ended it
-    logprobs: list[float]              # (N,) engine log-probs (rollout.Generation.logprobs)
-    kept_sizes: list[int]              # (N,) top-k / top-p set sizes; empty: drawn from the whole vocabulary
-    versions: list[int]                # (N,) weight version that sampled each token
-    finish_reason: str                 # "stop" | "length" (the engine's)
-    tool_calls: int = 0                # tool calls returned to the client (chat)
-    parse_error: str | None = None     # chat.make_action's parse error: the call went back as text
-    message: dict | None = None        # chat: the assistant message returned (OpenAI's format)
-
-
-@dataclass
-class Call:
-    """One request: its prompt ids and its n samples, with how it continues the session's previous call."""
-    endpoint: str                      # "chat" | "completions"
-    prompt_ids: list[int]              # (P,) the ids the engine was given
-    samples: list[Sample]              # (n,) its completions
-    parent: int | None = None          # the sample of the previous call that prompt_ids extend, None: not extended
-    messages: list = field(default_factory=list)  # chat: the request's messages (the conversation so far)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Call":
-        """A Call from its JSON (GET /v1/sessions/ID), for a trainer reading a remote server's capture."""
-        return cls(**{**d, "samples": [Sample(**s) for s in d["samples"]]})
-
-
-def continued_sample(prev: Call, prompt: list[int]) -> int | None:
-    """The index of the first sample s of `prev` such that prev.prompt_ids + s.token_ids is a prefix of `prompt`
-    (the prefix invariant), or None."""
-    P = len(prev.prompt_ids)
-    if prompt[:P] != prev.prompt_ids:
-        return None
-    for i, s in enumerate(prev.samples):
-        if prompt[P:P + len(s.token_ids)] == s.token_ids:
-            return i
-    return None
-
-
-class Capture:
-    """Per-session records of every call, safe to use from the server's threads. A session's calls are kept in
-    the order the engine served them; sessions never share a record."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.sessions: dict[str, list[Call]] = {}
-        self.unsessioned_calls = 0     # calls that named no session (served, not recorded)
-
-    def record(self, session: str | None, call: Call) -> Call:
-        """Append `call` to `session`, its parent (the prefix invariant against the previous call) filled in."""
-        with self.lock:
-            if session is None:
-                self.unsessioned_calls += 1
-                return call
-            calls = self.sessions.setdefault(session, [])
-            if calls:
-                call.parent = continued_sample(calls[-1], call.prompt_ids)
-            calls.append(call)
-            return call
-
-    def calls(self, session: str) -> list[Call]:
-        with self.lock:
-            return list(self.sessions.get(session, []))
-
-    def pop(self, session: str) -> list[Call]:
-        """A session's calls, forgotten here (what a trainer does once it has taken them)."""
-        with self.lock:
-            return self.sessions.pop(session, [])
-
-
-def session_trajectories(calls: list[Call], session: str = "") -> tuple[list[Trajectory], dict[str, float]]:
-    """A session's calls -> (agent.Trajectory rows, metrics).
-
-    One trajectory per sample of the last call when every later call extends the one before (Call.parent set): the
-    first prompt (mask 0), then each continued completion (mask 1, with its log-probs, kept sizes, versions) and the
-    tokens the next prompt adds (mask 0: tool results, user turns, the closing <|im_end|> of a cut turn), as
-    agent.play_episodes appends them; the other samples of an earlier call (n > 1) are left out (counted). Otherwise
-    one row per sample of every call (branching). messages: the last request's messages and the reply. Rewards are
-    0: the server does not know them. Metrics: serve/branched (1 when the session fell back to rows per turn),
-    serve/turns (calls), serve/rows, serve/unused_samples (samples of earlier calls that no row holds)."""
-    if not calls:
-        return [], {}
-    task = Task(env="serve", id=session, prompt="", answer="")
-    linear = all(c.parent is not None for c in calls[1:])
-
-    def start(prompt: list[int], messages: list, sample: int) -> Trajectory:
-        traj = Trajectory(task=task, group=0, sample=sample, token_ids=[], loss_mask=[], logprobs=[],
-                          prompt_len=len(prompt), messages=list(messages))
-        traj.extend(list(prompt))
-        return traj
-
-    def add(traj: Trajectory, s: Sample):
-        traj.turn_starts.append(len(traj.token_ids))
-        traj.extend(s.token_ids, sampled=True, logprobs=s.logprobs, versions=s.versions, kept_sizes=s.kept_sizes)
-        traj.num_turns += 1
-        traj.num_tool_calls += s.tool_calls
-        traj.parse_failures += s.parse_error is not None
-        traj.finish_reason = "done" if s.finish_reason == "stop" else "max_tokens"
-
-    rows = []
-    if linear:
-        for j, last in enumerate(calls[-1].samples):
-            traj = start(calls[0].prompt_ids, calls[-1].messages + ([last.message] if last.message else []), j)
-            for prev, call in zip(calls, calls[1:]):
-                add(traj, prev.samples[call.parent])
-                traj.extend(call.prompt_ids[len(traj.token_ids):])      # observations: mask 0
-            add(traj, last)
-            rows.append(traj)
-    else:
-        for call in calls:
-            for j, s in enumerate(call.samples):
-                traj = start(call.prompt_ids, call.messages + ([s.message] if s.message else []), len(rows))
-                add(traj, s)
-                rows.append(traj)
-    unused = sum(len(c.samples) - 1 for c in calls[:-1]) if linear else 0
-    return rows, {"serve/branched": float(not linear), "serve/turns": float(len(calls)),
-                  "serve/rows": float(len(rows)), "serve/unused_samples": float(unused)}
+ALIASES = ("policy",)                     # model names every server also answers to: the name the training server
+                                          # (external_agent.RunServer) and the example agents use
+SAMPLING = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
+POLL_S = 0.1                              # how often a request waiting for the engine checks that its client is there
 
 
 # -----------------------------------------------------------------------------
 # requests: parsed and checked before the engine sees them
 
-class RequestError(Exception):
-    """A bad request: answered with `status` and OpenAI's error object, the server goes on serving."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
 # fields that would change the result and that this server does not implement: refused unless at their default
-REFUSED = {"stream": (False, None), "logit_bias": (None, {}), "presence_penalty": (0, 0.0, None),
+REFUSED = {"logit_bias": (None, {}), "presence_penalty": (0, 0.0, None),
            "frequency_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "echo": (False, None),
            "suffix": (None,), "best_of": (None, 1), "tool_choice": (None, "auto"), "functions": (None,),
            "function_call": (None,), "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0),
@@ -215,6 +95,16 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
     return x
 
 
+def _utf8(text: str, where: str) -> str:
+    """`text`, or a 400 when it holds a lone surrogate (JSON's "\\ud800" alone): not text a tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"{where} holds a lone surrogate ({text[e.start:e.end]!r} at {e.start}): text must "
+                                "be valid Unicode", where) from None
+    return text
+
+
 def _text(content, where: str, optional: bool = False) -> str:
     """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts joined."""
     if content is None and optional:
@@ -227,10 +117,30 @@ def _text(content, where: str, optional: bool = False) -> str:
     raise RequestError(400, f"{where} must be a string or a list of text parts (no images, audio or files)", where)
 
 
+def _assistant(m: dict, where: str) -> dict:
+    msg = {"role": "assistant", "content": _text(m.get("content"), where + ".content", optional=True)}
+    calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{where}.tool_calls must be a list", where + ".tool_calls")
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), (str, dict))):
+            raise RequestError(400, f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': "
+                                    f"{{'name': str, 'arguments': str}}}}", f"{where}.tool_calls")
+    if calls:
+        msg["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
+                                                               "arguments": c["function"]["arguments"]}}
+                             for c in calls]
+    if isinstance(m.get("reasoning_content"), str):
+        msg["reasoning_content"] = m["reasoning_content"]
+    return msg
+
+
 def chat_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
     """The request's messages and tools, checked and reduced to what chat.render reads (OpenAI's chat schema:
     roles system / user / assistant / tool; assistant tool_calls [{"type": "function", "function": {"name",
-    "arguments"}}]; tools [{"type": "function", "function": {"name", ...}}])."""
+    "arguments"}}]; tools [{"type": "function", "function": {"name", "parameters": a JSON schema object}}])."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of messages", "messages")
@@ -240,30 +150,18 @@ def chat_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             role = m.get("role") if isinstance(m, dict) else m
             raise RequestError(400, f"{where}.role must be system, user, assistant or tool, got {role!r}", where)
-        role = m["role"]
-        msg = {"role": role, "content": _text(m.get("content"), where + ".content", optional=role == "assistant")}
-        if role == "assistant":
-            calls = m.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise RequestError(400, f"{where}.tool_calls must be a list", where + ".tool_calls")
-            for j, c in enumerate(calls):
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                        and isinstance(fn.get("arguments"), (str, dict))):
-                    raise RequestError(400, f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': "
-                                            f"{{'name': str, 'arguments': str}}}}", f"{where}.tool_calls")
-            if calls:
-                msg["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                                       "arguments": c["function"]["arguments"]}}
-                                     for c in calls]
-            if isinstance(m.get("reasoning_content"), str):
-                msg["reasoning_content"] = m["reasoning_content"]
-        out.append(msg)
+        out.append(_assistant(m, where) if m["role"] == "assistant" else
+                   {"role": m["role"], "content": _text(m.get("content"), where + ".content")})
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) for t in tools)):
         raise RequestError(400, "tools must be a list of {'type': 'function', 'function': {'name': str, ...}}", "tools")
+    for i, t in enumerate(tools or []):      # OpenAI and vLLM answer 400 too: the schema of the arguments is an object
+        schema = t["function"].get("parameters")
+        if schema is not None and not (isinstance(schema, dict) and schema.get("type", "object") == "object"):
+            raise RequestError(400, f"tools[{i}].function.parameters must be a JSON Schema object ({{'type': "
+                                    f"'object', 'properties': ...}}), got {schema!r:.80}", "tools")
     return out, tools or None
 
 
@@ -275,26 +173,117 @@ class Stops:
     texts: tuple[str, ...]             # every stop string
 
 
+@dataclass
+class Prepared:
+    """A checked request, ready for the engine: its prompts (chat: one) and how its answer is built."""
+    endpoint: str                      # "chat" | "completions" | "messages" (Anthropic's, served as chat)
+    prompts: list[list[int]]           # (k, P) the ids the engine is given
+    params: SamplingParams             # seed: the request's (each of k > 1 prompts gets its rollout.row_seeds seed)
+    stops: Stops
+    messages: list = field(default_factory=list)   # chat: the conversation
+    logprobs: object = None            # chat: bool; completions: 0 or None
+    skip_special: bool = False         # completions: decode without special tokens
+    as_ids: bool = False               # completions: return_tokens_as_token_ids
+    token_ids: bool = False            # completions: return_token_ids
+    holds: tuple[str, ...] | None = () # streaming: text held back until it cannot change (None: all of it)
+    include_usage: bool = False        # streaming: stream_options.include_usage
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint != "completions"
+
+
+def releasable(text: str, holds: tuple[str, ...] | None) -> str:
+    """The part of a partial completion's text that its final answer will start with whatever is sampled next: cut
+    before any `holds` string (a tool call's opening tag, a stop string) or a beginning of one at the end, and
+    without trailing whitespace or an incomplete character (U+FFFD). None: nothing is released before the end."""
+    if holds is None:
+        return ""
+    cut = len(text)
+    for h in holds:
+        at = text.find(h)
+        cut = min(cut, at) if at >= 0 else cut
+        for k in range(min(len(h) - 1, len(text)), 0, -1):
+            if text.endswith(h[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut].rstrip().rstrip("\ufffd").rstrip()
+
+
+class ChatChunks:
+    """The server-sent events of a streamed chat completion (https://platform.openai.com/docs/api-reference/chat-
+    streaming): a role delta per choice, content deltas, then per choice its tool calls as one tool_calls delta each
+    and a last delta with its finish_reason (and log-probs), the usage (stream_options.include_usage), [DONE]."""
+    kind = "chat.completion.chunk"
+
+    def __init__(self, reply_id: str, model: str, include_usage: bool):
+        self.id, self.model, self.usage, self.created = reply_id, model, include_usage, int(time.time())
+
+    def chunk(self, choices: list, **extra) -> bytes:
+        data = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices,
+                **({"usage": None} if self.usage else {}), **extra}
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    def start(self, n: int) -> list[bytes]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(n)])]
+
+    def text(self, i: int, delta: str) -> list[bytes]:
+        return [self.chunk([{"index": i, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}])]
+
+    def end(self, i: int, choice: dict, stop_text: str | None) -> list[bytes]:
+        calls = choice["message"].get("tool_calls") or []
+        out = [self.chunk([{"index": i, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},
+                            "logprobs": None, "finish_reason": None}])] if calls else []
+        return out + [self.chunk([{"index": i, "delta": {}, "logprobs": choice["logprobs"],
+                                   "finish_reason": choice["finish_reason"]}])]
+
+    def done(self, usage: dict) -> list[bytes]:
+        return ([self.chunk([], usage=usage)] if self.usage else []) + [b"data: [DONE]\n\n"]
+
+    def error(self, e: RequestError) -> list[bytes]:
+        return [b"data: " + json.dumps(e.body()).encode() + b"\n\n"]
+
+
+class CompletionChunks(ChatChunks):
+    """A streamed completion's events: text deltas, then per choice a last chunk with its finish_reason, stop_reason
+    and (when asked for) its log-probs and token ids."""
+    kind = "text_completion"
+
+    def start(self, n: int) -> list[bytes]:
+        return []
+
+    def text(self, i: int, delta: str) -> list[bytes]:
+        return [self.chunk([{"index": i, "text": delta, "logprobs": None, "finish_reason": None}])]
+
+    def end(self, i: int, choice: dict, stop_text: str | None) -> list[bytes]:
+        return [self.chunk([{**choice, "index": i, "text": ""}])]
+
+
 # -----------------------------------------------------------------------------
 # the server
 
 class Server:
-    """An engine served over HTTP, with its Capture. start() / stop() run it in a background thread (port 0: a free
-    one); generate / update_weights make the Server itself an engine (rollout.py's interface) for an in-process
-    trainer and the weight-sync gate.
+    """An engine served over HTTP, with its Capture. start() / stop() run it (port 0: a free one); generate /
+    update_weights make the Server itself an engine (rollout.py's interface) for an in-process trainer and the
+    weight-sync gate.
 
     engine: anything with generate(prompts, SamplingParams) and update_weights(state_dict) (rollout.py);
-    tokenizer: a tokenizers.Tokenizer; max_model_len: prompt + completion tokens at most (None: the engine's
-    model's max_position_embeddings, if it has one); token: the bearer token of /v1/weights and /v1/sessions
-    (None: those endpoints are off)."""
+    tokenizer: a tokenizers.Tokenizer; model_name: the `model` clients ask for (ALIASES too); max_model_len: prompt
+    + completion tokens at most (None: the engine's model's max_position_embeddings, if it has one); token: the
+    bearer token of /v1/weights and /v1/sessions (None: those endpoints are off); session_ttl_s: a session unused for
+    this long is forgotten; body_timeout_s: a request body that stops arriving is dropped after this long; threads:
+    torch's CPU threads on the engine thread (None: the caller's; batcher.Scheduler says why)."""
 
     def __init__(self, engine, tokenizer, model_name: str = "default", chat_format: str = "qwen2.5",
                  max_model_len: int | None = None, token: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, max_body_bytes: int = 4 << 20, max_weight_bytes: int = 16 << 30,
-                 default_max_tokens: int = 512, max_n: int = 64, version: int = 0):
+                 default_max_tokens: int = 512, max_n: int = 64, version: int = 0, aliases: tuple = ALIASES,
+                 session_ttl_s: float = 3600.0, body_timeout_s: float = 5.0, threads: int | None = None):
         if chat_format not in CHAT_FORMATS:
             raise ValueError(f"unknown chat_format {chat_format!r}, expected one of {CHAT_FORMATS}")
         self.engine, self.tokenizer, self.model_name, self.chat_format = engine, tokenizer, model_name, chat_format
+        self.aliases = tuple(aliases)
         model_cfg = getattr(getattr(engine, "model", None), "cfg", None)
         self.max_model_len = max_model_len or getattr(model_cfg, "max_position_embeddings", None)
         self.vocab = getattr(model_cfg, "vocab_size", None) or tokenizer.get_vocab_size(with_added_tokens=True)
@@ -304,43 +293,47 @@ class Server:
                              f"{turn_ends(chat_format)}")
         self.token, self.host, self.port = token, host, port
         self.max_body_bytes, self.max_weight_bytes = max_body_bytes, max_weight_bytes
-        self.default_max_tokens, self.max_n = default_max_tokens, max_n
+        self.default_max_tokens, self.max_n, self.body_timeout_s = default_max_tokens, max_n, body_timeout_s
+        self.capture = Capture(session_ttl_s)
+        self.scheduler = Scheduler(engine, threads)
         self.version = version         # the weights' version, stamped on every token an engine does not stamp
-        self.capture = Capture()
-        self.engine_lock = threading.Lock()
         self.call_ids = itertools.count()  # numbers the tool calls returned (next() is atomic under the GIL)
-        self.httpd: ThreadingHTTPServer | None = None
+        self.http: HTTPServer | None = None
 
     # -- the engine interface (the in-process trainer's side) -------------------------------------------------------
 
+    @property
+    def version(self) -> int:
+        return self.scheduler.version
+
+    @version.setter
+    def version(self, value: int):
+        self.scheduler.version = value
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """The engine's generate, under the lock, every token stamped with the weight version that sampled it."""
-        with self.engine_lock:
-            gens = self.engine.generate(prompts, params)
-            return [replace(g, versions=list(g.versions) if g.versions else [self.version] * len(g.token_ids))
-                    for g in gens]
+        """The engine's generate, between batches, every token stamped with the weight version that sampled it."""
+        return self.scheduler.call(lambda: self.scheduler.stamp(self.engine.generate(prompts, params)))
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Push weights into the engine (names and shapes checked first: a bad dict changes nothing) -> the new
-        version (default: the old one + 1). Waits for the call being served; later calls sample the new weights."""
-        new = self.version + 1 if version is None else int(version)
-        with self.engine_lock:
+        version (default: the old one + 1). Waits for the requests being served; later ones sample the new weights."""
+        def push():
+            new = self.version + 1 if version is None else int(version)
             if "version" in inspect.signature(self.engine.update_weights).parameters:
                 self.engine.update_weights(state_dict, version=new)   # it stamps its tokens (async_rollouts)
             else:
                 self.engine.update_weights(state_dict)
             self.version = new
             return new
+        return self.scheduler.call(push)
 
-    def sleep(self):
-        with self.engine_lock:         # around a colocated learner's update, as agent.LocalRollouts calls it
-            getattr(self.engine, "sleep", lambda: None)()
+    def sleep(self):                   # around a colocated learner's update, as agent.LocalRollouts calls it
+        self.scheduler.call(getattr(self.engine, "sleep", lambda: None))
 
     def wake_up(self):
-        with self.engine_lock:
-            getattr(self.engine, "wake_up", lambda: None)()
+        self.scheduler.call(getattr(self.engine, "wake_up", lambda: None))
 
-    # -- the endpoints --------------------------------------------------------------------------------------------
+    # -- requests -> Prepared ---------------------------------------------------------------------------------------
 
     def sampling(self, body: dict, prompt_len: int, stops: Stops) -> SamplingParams:
         """OpenAI's sampling fields (and vLLM's top_k, stop_token_ids) -> SamplingParams, checked."""
@@ -350,13 +343,13 @@ class Server:
         room = (self.max_model_len - prompt_len) if self.max_model_len else 1 << 30
         if room < 1:
             raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
-                                    f"prompt has {prompt_len}", None, "context_length_exceeded")
+                                    f"prompt has {prompt_len}", None, code="context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _number(body, key, min(room, self.default_max_tokens), 1, 1 << 30, integer=True)
         if max_tokens > room:
             raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                     f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                                    f"{max_tokens} in the completion)", key, "context_length_exceeded")
+                                    f"{max_tokens} in the completion)", key, code="context_length_exceeded")
         top_k = _number(body, "top_k", 0, -1, self.vocab, integer=True)
         extra = body.get("stop_token_ids") or []
         if not (isinstance(extra, list) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -373,36 +366,31 @@ class Server:
                               seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True))
 
     def check_model(self, body: dict):
-        if body.get("model") != self.model_name:
+        if body.get("model") != self.model_name and body.get("model") not in self.aliases:
             raise RequestError(404, f"the model {body.get('model')!r} does not exist: this server serves "
-                                    f"{self.model_name!r}", "model", "model_not_found")
+                                    f"{self.model_name!r}", "model", code="model_not_found")
+
+    def session_body(self, body: dict, session: str | None) -> dict:
+        """The request as it is served: here unchanged (external_agent.RunServer gives it the session's seed)."""
+        return body
 
     def stops(self, body: dict) -> Stops:
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not (isinstance(stop, list) and len(stop) <= 16 and all(isinstance(s, str) and s for s in stop)):
             raise RequestError(400, "stop must be a non-empty string or a list of at most 16 of them", "stop")
-        ids = [encode(self.tokenizer, s) for s in stop]
+        ids = [encode(self.tokenizer, _utf8(s, "stop")) for s in stop]
         return Stops(tuple(i[0] for i in ids if len(i) == 1), tuple(stop))
 
-    def cut_at_text_stop(self, g: Generation, stops: Stops, skip_special: bool) -> tuple[Generation, str | None]:
-        """The generation cut after the first token whose decoded prefix holds a stop string -> (that generation,
-        its text before the string), or (g, None) when no stop string occurs. Causal sampling: a prefix of a
-        sample is a sample, so the cut one is what the engine would have returned had it stopped there."""
-        def decode(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
-        if not any(s in decode(g.token_ids) for s in stops.texts):
-            return g, None
-        for k in range(len(g.token_ids)):
-            text = decode(g.token_ids[:k + 1])
-            found = [text.index(s) for s in stops.texts if s in text]
-            if found:
-                return replace(g, token_ids=g.token_ids[:k + 1], logprobs=g.logprobs[:k + 1], finish_reason="stop",
-                               kept_sizes=g.kept_sizes[:k + 1], versions=g.versions[:k + 1]), text[:min(found)]
-        raise AssertionError("unreachable: the whole text holds a stop string")
+    def _options(self, body: dict) -> dict:
+        stream, options = body.get("stream"), body.get("stream_options") or {}
+        if stream not in (None, False, True) or not isinstance(options, dict):
+            raise RequestError(400, "stream must be true or false, stream_options an object", "stream")
+        return {"include_usage": bool(options.get("include_usage"))}
 
-    def chat(self, body: dict, session: str | None) -> dict:
-        """POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat/create)."""
+    def prepare_chat(self, body: dict, endpoint: str = "chat") -> Prepared:
+        """POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat/create), checked and
+        rendered (and /v1/messages, translated into one)."""
         self.check_model(body)
         messages, tools = chat_messages(body)
         kwargs = body.get("chat_template_kwargs") or {}     # vLLM's extension: {"enable_thinking": false} (qwen3)
@@ -415,26 +403,71 @@ class Server:
                           enable_thinking=thinking)
         except (ValueError, KeyError, TypeError) as e:
             raise RequestError(400, f"messages cannot be rendered: {e}", "messages") from None
-        prompt = encode(self.tokenizer, text)
+        prompt = encode(self.tokenizer, _utf8(text, "messages"))
         stops = self.stops(body)
         params = self.sampling(body, len(prompt), replace(stops, token_ids=(*self.turn_ends, *stops.token_ids)))
         logprobs = body.get("logprobs") or False
         if not isinstance(logprobs, bool):
             raise RequestError(400, "logprobs must be true or false", "logprobs")
-        choices, samples = [], []
-        for i, g in enumerate(self.generate([prompt], params)):
-            g, content = self.cut_at_text_stop(g, stops, skip_special=False)
-            if content is None:        # the stop token (<|im_end|>, a stop id) is not part of the message
-                ids = g.token_ids[:-1] if g.finish_reason == "stop" else g.token_ids
-                content = self.tokenizer.decode(ids, skip_special_tokens=False)
-            message, error = self.assistant_reply(content)
-            samples.append(Sample(list(g.token_ids), list(g.logprobs), list(g.kept_sizes), list(g.versions),
-                                  g.finish_reason, len(message.get("tool_calls", [])), error, message))
-            finish = "length" if g.finish_reason == "length" else "tool_calls" if "tool_calls" in message else "stop"
-            choices.append({"index": i, "message": message, "finish_reason": finish,
-                            "logprobs": {"content": self.token_logprobs(g, False)} if logprobs else None})
-        self.capture.record(session, Call("chat", prompt, samples, messages=messages))
-        return self.reply("chat.completion", choices, len(prompt), samples)
+        holds = (TOOL_CALL_OPEN, *stops.texts) if self.chat_format.startswith("qwen") else None
+        return Prepared(endpoint, [prompt], params, stops, messages, logprobs, holds=holds, **self._options(body))
+
+    def prepare_completions(self, body: dict) -> Prepared:
+        """POST /v1/completions (https://platform.openai.com/docs/api-reference/completions/create) with vLLM's
+        extensions: a prompt of token ids, top_k, stop_token_ids, return_token_ids, return_tokens_as_token_ids,
+        skip_special_tokens; ignore_eos is accepted either way (our engines stop only at the stop ids given)."""
+        self.check_model(body)
+        prompts = body.get("prompt")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
+            prompts = [prompts]
+        if not (isinstance(prompts, list) and prompts and all(
+                isinstance(p, str) or (isinstance(p, list) and p and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompts)):
+            raise RequestError(400, "prompt must be a string, a non-empty list of token ids, or a list of either",
+                               "prompt")
+        prompts = [encode(self.tokenizer, _utf8(p, "prompt")) if isinstance(p, str) else p for p in prompts]
+        if any(not p or min(p) < 0 or max(p) >= self.vocab for p in prompts):
+            raise RequestError(400, f"prompt token ids must be in [0, {self.vocab}) (and a prompt not empty)", "prompt")
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, 0) or isinstance(logprobs, bool):
+            raise RequestError(400, f"logprobs={logprobs!r}: only 0 (the sampled token's log-prob) or null is "
+                                    "supported; the engine reports no alternatives", "logprobs")
+        stops = self.stops(body)
+        params = self.sampling(body, max(len(p) for p in prompts), stops)
+        if len(prompts) * params.n > self.max_n:
+            raise RequestError(400, f"{len(prompts)} prompts x n={params.n} samples: at most {self.max_n} per "
+                                    "request", "prompt")
+        return Prepared("completions", prompts, params, stops, logprobs=logprobs,
+                        skip_special=body.get("skip_special_tokens", True) is not False,
+                        as_ids=bool(body.get("return_tokens_as_token_ids")),
+                        token_ids=bool(body.get("return_token_ids")), holds=stops.texts, **self._options(body))
+
+    # -- samples -> answers ----------------------------------------------------------------------------------------
+
+    def text_of(self, prep: Prepared, ids: list[int]) -> str:
+        """The text a (partial) sample gives: chat, without its stop token; completions, as they return it."""
+        if prep.chat:
+            ids = ids[:-1] if ids and ids[-1] in prep.params.stop_token_ids else ids
+        return self.tokenizer.decode(ids, skip_special_tokens=prep.skip_special)
+
+    def cut_at_text_stop(self, g: Generation, stops: Stops, skip_special: bool
+                         ) -> tuple[Generation, str | None, str | None]:
+        """The generation cut after the first token whose decoded prefix holds a stop string -> (that generation,
+        its text before the string, the string), or (g, None, None) when no stop string occurs. Causal sampling: a
+        prefix of a sample is a sample, so the cut one is what the engine would have returned had it stopped there."""
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        if not any(s in decode(g.token_ids) for s in stops.texts):
+            return g, None, None
+        for k in range(len(g.token_ids)):
+            text = decode(g.token_ids[:k + 1])
+            found = sorted((text.index(s), s) for s in stops.texts if s in text)
+            if found:
+                return replace(g, token_ids=g.token_ids[:k + 1], logprobs=g.logprobs[:k + 1], finish_reason="stop",
+                               kept_sizes=g.kept_sizes[:k + 1], versions=g.versions[:k + 1]), text[:found[0][0]], \
+                    found[0][1]
+        raise AssertionError("unreachable: the whole text holds a stop string")
 
     def assistant_reply(self, text: str) -> tuple[dict, str | None]:
         """A sampled assistant text -> (OpenAI's assistant message, the parse error). Well-formed calls become
@@ -455,53 +488,47 @@ class Server:
                 for j, c in enumerate(calls)]}
         return message, error
 
-    def completions(self, body: dict, session: str | None) -> dict:
-        """POST /v1/completions (https://platform.openai.com/docs/api-reference/completions/create) with vLLM's
-        extensions: a prompt of token ids, top_k, stop_token_ids, return_token_ids, return_tokens_as_token_ids,
-        skip_special_tokens; ignore_eos is accepted either way (our engines stop only at the stop ids given)."""
-        self.check_model(body)
-        prompts = body.get("prompt")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
-            prompts = [prompts]
-        if not (isinstance(prompts, list) and prompts and all(
-                isinstance(p, str) or (isinstance(p, list) and p and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompts)):
-            raise RequestError(400, "prompt must be a string, a non-empty list of token ids, or a list of either",
-                               "prompt")
-        prompts = [encode(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
-        if any(not p or min(p) < 0 or max(p) >= self.vocab for p in prompts):
-            raise RequestError(400, f"prompt token ids must be in [0, {self.vocab}) (and a prompt not empty)", "prompt")
-        logprobs = body.get("logprobs")
-        if logprobs not in (None, 0) or isinstance(logprobs, bool):
-            raise RequestError(400, f"logprobs={logprobs!r}: only 0 (the sampled token's log-prob) or null is "
-                                    "supported; the engine reports no alternatives", "logprobs")
-        stops = self.stops(body)
-        params = self.sampling(body, max(len(p) for p in prompts), stops)
-        if len(prompts) * params.n > self.max_n:
-            raise RequestError(400, f"{len(prompts)} prompts x n={params.n} samples: at most {self.max_n} per "
-                                    "request", "prompt")
-        as_ids, skip = bool(body.get("return_tokens_as_token_ids")), body.get("skip_special_tokens", True) is not False
-        choices, samples = [], []
-        for i, g in enumerate(self.generate(prompts, params)):
-            g, text = self.cut_at_text_stop(g, stops, skip_special=skip)
-            stop_reason = g.token_ids[-1] if g.finish_reason == "stop" and text is None else None
-            text = self.tokenizer.decode(g.token_ids, skip_special_tokens=skip) if text is None else text
-            choices.append({"index": i, "text": text,
-                            "finish_reason": g.finish_reason, "stop_reason": stop_reason,
-                            "logprobs": None if logprobs is None else {
-                                "tokens": [t["token"] for t in self.token_logprobs(g, as_ids)],
-                                "token_logprobs": list(g.logprobs), "top_logprobs": None, "text_offset": None},
-                            **({"token_ids": list(g.token_ids)} if body.get("return_token_ids") else {}),
-                            # ours (vLLM has no such field): the top-k / top-p set sizes, so that a trainer's
-                            # OpenAIEngine scores the very sets sampled (empty: nothing was truncated)
-                            **({"kept_sizes": list(g.kept_sizes)} if g.kept_sizes else {})})
-            samples.append(Sample(list(g.token_ids), list(g.logprobs), list(g.kept_sizes), list(g.versions),
-                                  g.finish_reason))
-        n = params.n
-        for p, prompt in enumerate(prompts):       # each prompt is its own call of the session
-            self.capture.record(session, Call("completions", list(prompt), samples[p * n:(p + 1) * n]))
-        return self.reply("text_completion", choices, sum(len(p) for p in prompts), samples)
+    def chat_choice(self, prep: Prepared, i: int, g: Generation) -> tuple[dict, Sample, str | None]:
+        """One chat sample -> (its choice, its Sample, the stop string that cut it)."""
+        g, content, stop_text = self.cut_at_text_stop(g, prep.stops, skip_special=False)
+        if content is None:            # the stop token (<|im_end|>, a stop id) is not part of the message
+            content = self.text_of(prep, g.token_ids)
+        message, error = self.assistant_reply(content)
+        sample = Sample(list(g.token_ids), list(g.logprobs), list(g.kept_sizes), list(g.versions), g.finish_reason,
+                        len(message.get("tool_calls", [])), error, message)
+        finish = "length" if g.finish_reason == "length" else "tool_calls" if "tool_calls" in message else "stop"
+        return {"index": i, "message": message, "finish_reason": finish,
+                "logprobs": {"content": self.token_logprobs(g, False)} if prep.logprobs else None}, sample, stop_text
+
+    def completion_choice(self, prep: Prepared, i: int, g: Generation) -> tuple[dict, Sample, str | None]:
+        g, text, stop_text = self.cut_at_text_stop(g, prep.stops, skip_special=prep.skip_special)
+        stop_reason = g.token_ids[-1] if g.finish_reason == "stop" and text is None else None
+        text = self.text_of(prep, g.token_ids) if text is None else text
+        choice = {"index": i, "text": text, "finish_reason": g.finish_reason, "stop_reason": stop_reason,
+                  "logprobs": None if prep.logprobs is None else {
+                      "tokens": [t["token"] for t in self.token_logprobs(g, prep.as_ids)],
+                      "token_logprobs": list(g.logprobs), "top_logprobs": None, "text_offset": None},
+                  **({"token_ids": list(g.token_ids)} if prep.token_ids else {}),
+                  # ours (vLLM has no such field): the top-k / top-p set sizes, so that a trainer's
+                  # OpenAIEngine scores the very sets sampled (empty: nothing was truncated)
+                  **({"kept_sizes": list(g.kept_sizes)} if g.kept_sizes else {})}
+        return choice, Sample(list(g.token_ids), list(g.logprobs), list(g.kept_sizes), list(g.versions),
+                              g.finish_reason), stop_text
+
+    def answer(self, prep: Prepared, gens: list[list[Generation]]) -> tuple[dict, list[Call], list[str | None]]:
+        """The engine's samples (per prompt) -> (the OpenAI reply, one Call per prompt, each choice's stop string)."""
+        build = self.chat_choice if prep.chat else self.completion_choice
+        choices, calls, stop_texts = [], [], []
+        for prompt, per_prompt in zip(prep.prompts, gens):
+            samples = []
+            for g in per_prompt:
+                choice, sample, stop_text = build(prep, len(choices), g)
+                choices.append(choice)
+                samples.append(sample)
+                stop_texts.append(stop_text)
+            calls.append(Call(prep.endpoint, list(prompt), samples, messages=prep.messages))
+        kind = "chat.completion" if prep.chat else "text_completion"
+        return self.reply(kind, choices, sum(len(p) for p in prep.prompts), calls), calls, stop_texts
 
     def token_logprobs(self, g: Generation, as_ids: bool) -> list[dict]:
         tokens = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t], skip_special_tokens=False)
@@ -509,12 +536,132 @@ class Server:
         return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                 for t, lp in zip(tokens, g.logprobs)]
 
-    def reply(self, kind: str, choices: list, prompt_tokens: int, samples: list[Sample]) -> dict:
-        completion = sum(len(s.token_ids) for s in samples)
+    def reply(self, kind: str, choices: list, prompt_tokens: int, calls: list[Call]) -> dict:
+        completion = sum(len(s.token_ids) for c in calls for s in c.samples)
         return {"id": f"{kind.split('.')[0]}-{time.time_ns()}", "object": kind, "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion}}
+
+    # -- the sampling endpoints ------------------------------------------------------------------------------------
+
+    async def sample(self, request: Request, endpoint: str) -> dict | Stream:
+        """POST /v1/chat/completions, /v1/completions or /v1/messages: checked, reserved in its session (serving
+        order), handed to the engine, answered (or streamed) and recorded once its answer is complete."""
+        body = await request.json(self.max_body_bytes)
+        session = request.header("x-session-id")
+        if endpoint == "messages":
+            body, user = serve_anthropic.to_chat(body)
+            session = session or user
+        session = session or body.get("user")
+        if session is not None and not isinstance(session, str):
+            raise RequestError(400, "user (the session id) must be a string", "user")
+        body = self.session_body(body, session)
+        prep = self.prepare_completions(body) if endpoint == "completions" else self.prepare_chat(body, endpoint)
+        if endpoint == "messages" and prep.params.n != 1:
+            raise RequestError(400, "n: one message per request", "n")
+        slots = [self.capture.reserve(session) for _ in prep.prompts]
+        queue = asyncio.Queue() if body.get("stream") else None
+        jobs = self.submit(prep, queue)
+        if queue is not None:
+            return Stream(self.stream(request, prep, jobs, slots, queue))
+        try:
+            gens = await self.wait(request, jobs)
+            if request.gone():         # its answer would reach nobody: not recorded (a resend will be)
+                raise ClientGone()
+        except BaseException as e:
+            self.drop(jobs, slots, disconnected=isinstance(e, ClientGone))
+            raise
+        reply, calls, stop_texts = self.answer(prep, gens)
+        for slot, call in zip(slots, calls):
+            self.capture.record(slot, call)
+        return serve_anthropic.message(reply, stop_texts[0]) if endpoint == "messages" else reply
+
+    def submit(self, prep: Prepared, queue: asyncio.Queue | None) -> list[Job]:
+        """A Job per prompt (one prompt: the request's seed; k > 1: rollout.row_seeds). With a queue, every step's
+        new tokens and each job's end are put on it, from the engine thread: (prompt index, {sample: ids} | None)."""
+        seeds = [prep.params.seed] if len(prep.prompts) == 1 else row_seeds(prep.params.seed, len(prep.prompts))
+        jobs = []
+        for i, (prompt, seed) in enumerate(zip(prep.prompts, seeds)):
+            put = functools.partial(self.http.run, queue.put_nowait) if queue is not None else None
+            job = self.scheduler.submit(prompt, replace(prep.params, seed=seed),
+                                        (lambda new, i=i: put((i, new))) if put else None)
+            if put:
+                job.future.add_done_callback(lambda _, i=i: put((i, None)))
+            jobs.append(job)
+        return jobs
+
+    async def wait(self, request: Request, jobs: list[Job]) -> list[list[Generation]]:
+        futures = [asyncio.wrap_future(j.future) for j in jobs]
+        while True:
+            _, pending = await asyncio.wait(futures, timeout=POLL_S)
+            if not pending:
+                errors = [f.exception() for f in futures]            # every one retrieved
+                if any(errors):
+                    raise next(e for e in errors if e)
+                return [f.result() for f in futures]
+            if request.gone():
+                raise ClientGone()
+
+    def drop(self, jobs: list[Job], slots: list[Slot], disconnected: bool):
+        """A call that will not be recorded: its jobs cancelled (they leave the batch), its places left empty."""
+        for job in jobs:
+            self.scheduler.cancel(job)
+        for slot in slots:
+            self.capture.abandon(slot, disconnected)
+
+    async def stream(self, request: Request, prep: Prepared, jobs: list[Job], slots: list[Slot],
+                     queue: asyncio.Queue):
+        """The events of a streamed answer: text as it becomes releasable, then the rest of the answer built exactly
+        as unstreamed; recorded after its last event was written. A client that leaves first is not recorded."""
+        reply_id, n = f"chatcmpl-{time.time_ns()}", prep.params.n
+        fmt = (serve_anthropic.Events(reply_id, self.model_name, len(prep.prompts[0])) if prep.endpoint == "messages"
+               else (ChatChunks if prep.chat else CompletionChunks)(reply_id, self.model_name, prep.include_usage))
+        ids, sent = [[] for _ in range(len(jobs) * n)], [""] * (len(jobs) * n)
+        outcome = "gone"
+        try:
+            for event in fmt.start(len(ids)):
+                yield event
+            ended = 0
+            while ended < len(jobs):
+                try:
+                    i, new = await asyncio.wait_for(queue.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    i, new = None, None
+                if request.gone():
+                    raise ClientGone()
+                ended += i is not None and new is None
+                for s, tokens in (new or {}).items():
+                    c = i * n + s
+                    ids[c] += tokens
+                    text = releasable(self.text_of(prep, ids[c]), prep.holds)
+                    if len(text) > len(sent[c]):
+                        for event in fmt.text(c, text[len(sent[c]):]):
+                            yield event
+                        sent[c] = text
+            try:
+                reply, calls, stop_texts = self.answer(prep, [job.future.result() for job in jobs])
+            except Exception as e:     # the engine failed: an error event, nothing recorded
+                outcome = "error"
+                for event in fmt.error(RequestError(500, f"{type(e).__name__}: {e}", kind="server_error")):
+                    yield event
+                return
+            for c, choice in enumerate(reply["choices"]):
+                final = (choice["message"]["content"] or "") if prep.chat else choice["text"]
+                assert final.startswith(sent[c]), (final, sent[c])    # releasable() sent only what stays
+                for event in (fmt.text(c, final[len(sent[c]):]) if len(final) > len(sent[c]) else []) + \
+                        fmt.end(c, choice, stop_texts[c]):
+                    yield event
+            for event in fmt.done(reply["usage"]):
+                yield event
+            for slot, call in zip(slots, calls):
+                self.capture.record(slot, call)
+            outcome = "done"
+        finally:
+            if outcome != "done":
+                self.drop(jobs, slots, disconnected=outcome == "gone")
+
+    # -- the other endpoints ---------------------------------------------------------------------------------------
 
     def models(self) -> dict:
         """GET /v1/models (https://platform.openai.com/docs/api-reference/models/list), plus the weights' version."""
@@ -522,10 +669,10 @@ class Server:
                                             "owned_by": "nano-skyrl", "weight_version": self.version,
                                             "max_model_len": self.max_model_len}]}
 
-    def push(self, headers, data: bytes) -> dict:
+    def push(self, headers: dict, data: bytes) -> dict:
         """POST /v1/weights: safetensors bytes of a state dict (Hugging Face names), the version in the
         X-Weight-Version header."""
-        version = headers.get("X-Weight-Version")
+        version = headers.get("x-weight-version")
         try:
             version = None if version is None else int(version)
             state_dict = safetensors_load(data)
@@ -536,130 +683,62 @@ class Server:
         except (KeyError, ValueError) as e:                    # rollout.check_state_dict: nothing was copied
             raise RequestError(400, str(e).strip("'\"")) from None
 
-    def authorize(self, headers):
+    def authorize(self, request: Request):
         if self.token is None:
             raise RequestError(403, f"this endpoint is off: start the server with a token ({TOKEN_ENV})",
                                kind="permission_error")
-        given = headers.get("Authorization", "")
+        given = request.header("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
             raise RequestError(401, "a valid 'Authorization: Bearer <token>' header is required",
                                kind="authentication_error")
 
+    async def handle(self, request: Request) -> dict | Stream:
+        """Route one request (serve_http.HTTPServer calls this for each); a known path with another method is a
+        405, an unknown one a 404, both as JSON."""
+        path, method = request.path.rstrip("/"), request.method
+        try:
+            if path in SAMPLING and method == "POST":
+                return await self.sample(request, SAMPLING[path])
+            if path == "/v1/models" and method == "GET":
+                return self.models()
+            if path == "/health" and method == "GET":
+                return {"status": "ok", "weight_version": self.version}
+            if path == "/v1/weights" and method == "POST":
+                self.authorize(request)                        # before the body: a refused push is not read
+                data = await request.body(self.max_weight_bytes)
+                return await asyncio.get_running_loop().run_in_executor(None, self.push, request.headers, data)
+            if path.startswith("/v1/sessions/") and method == "GET":
+                self.authorize(request)
+                session = urllib.parse.unquote(path[len("/v1/sessions/"):])
+                calls = self.capture.pop(session) if request.query.get("pop") in (["1"], ["true"]) else \
+                    self.capture.calls(session)
+                return {"session": session, "calls": [dataclasses.asdict(c) for c in calls]}
+            known = path in (*SAMPLING, "/v1/models", "/health", "/v1/weights") or path.startswith("/v1/sessions/")
+            raise RequestError(405 if known else 404, f"{method} {request.path} is not served here")
+        except RequestError as e:
+            e.dialect = "anthropic" if path == "/v1/messages" else "openai"
+            raise
+
     # -- running ----------------------------------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Serve in a background thread -> the base URL (ending in /v1, as OpenAI clients expect)."""
-        self.httpd = ThreadingHTTPServer((self.host, self.port), _handler(self))
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        """Serve from background threads (the event loop's and the engine's) -> the base URL (ending in /v1, as
+        OpenAI clients expect; Anthropic's client takes it without the /v1)."""
+        self.scheduler.start()
+        self.http = HTTPServer(self.handle, self.host, self.port, body_timeout_s=self.body_timeout_s)
+        self.address = self.http.start()
         return self.url
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.address
         return f"http://{host}:{port}/v1"
 
     def stop(self):
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
-
-
-def read_body(headers, rfile, limit: int) -> bytes:
-    """A request's body, at most `limit` bytes, or a RequestError (411: no Content-Length; 413: too long, the body
-    read and dropped up to DRAIN_BYTES first, so that the client, done sending, reads the answer rather than a reset
-    connection)."""
-    if headers.get("Transfer-Encoding"):
-        raise RequestError(411, "send the body with a Content-Length (chunked bodies are not read)")
-    try:
-        size = int(headers.get("Content-Length", ""))
-    except ValueError:
-        raise RequestError(411, "a Content-Length header is required") from None
-    if size < 0 or size > limit:
-        left = min(size, DRAIN_BYTES)
-        while left > 0:
-            chunk = rfile.read(min(left, 1 << 16))
-            left = left - len(chunk) if chunk else 0
-        raise RequestError(413, f"the body has {size} bytes; at most {limit} are read")
-    return rfile.read(size)
-
-
-def _handler(server: Server):
-    """The request handler class of `server`: routing, body limits, and every error as a JSON answer."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"     # keep-alive, as OpenAI's client uses; every answer has a Content-Length
-        timeout = 120                     # a client that stops sending mid-request frees its thread
-
-        def log_message(self, *args):
-            pass
-
-        def answer(self, status: int, payload: dict):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def body(self, limit: int) -> bytes:
-            return read_body(self.headers, self.rfile, limit)
-
-        def json_body(self) -> dict:
-            try:
-                body = json.loads(self.body(server.max_body_bytes))
-            except (ValueError, RecursionError) as e:        # UnicodeDecodeError is a ValueError
-                raise RequestError(400, f"the body is not valid JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "the body must be a JSON object")
-            return body
-
-        def route(self, method: str):
-            url = urllib.parse.urlsplit(self.path)
-            path = url.path.rstrip("/")
-            if method == "GET" and path == "/v1/models":
-                return server.models()
-            if method == "GET" and path == "/health":
-                return {"status": "ok", "weight_version": server.version}
-            if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
-                body = self.json_body()
-                session = self.headers.get("X-Session-Id") or body.get("user")
-                if session is not None and not isinstance(session, str):
-                    raise RequestError(400, "user (the session id) must be a string", "user")
-                run = server.chat if path == "/v1/chat/completions" else server.completions
-                return run(body, session)
-            if method == "POST" and path == "/v1/weights":
-                server.authorize(self.headers)
-                return server.push(self.headers, self.body(server.max_weight_bytes))
-            if method == "GET" and path.startswith("/v1/sessions/"):
-                server.authorize(self.headers)
-                session = urllib.parse.unquote(path[len("/v1/sessions/"):])
-                pop = urllib.parse.parse_qs(url.query).get("pop") in (["1"], ["true"])
-                calls = server.capture.pop(session) if pop else server.capture.calls(session)
-                return {"session": session, "calls": [dataclasses.asdict(c) for c in calls]}
-            known = path in ("/v1/models", "/health", "/v1/chat/completions", "/v1/completions", "/v1/weights")
-            raise RequestError(405 if known else 404, f"{method} {url.path} is not served here")
-
-        def handle_method(self, method: str):
-            try:
-                self.answer(200, self.route(method))
-            except RequestError as e:
-                if e.status in (411, 413):                   # the body was not read: the connection cannot go on
-                    self.close_connection = True
-                self.answer(e.status, e.body())
-            except ConnectionError:                          # the client left: nobody to answer
-                self.close_connection = True
-            except Exception as e:                           # a bug or an engine failure: say so, keep serving
-                self.answer(500, RequestError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
-
-        def do_GET(self):
-            self.handle_method("GET")
-
-        def do_POST(self):
-            self.handle_method("POST")
-
-    return Handler
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
+        self.scheduler.stop()
 
 
 # -----------------------------------------------------------------------------
@@ -672,19 +751,26 @@ def main(argv: list[str] | None = None):
     p.add_argument("--checkpoint", required=True, help="a Hugging Face folder: config.json, tokenizer.json, weights")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
-    p.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: the folder)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help=f"the `model` clients ask for (default: the folder); more names are aliases, as are {ALIASES}")
     p.add_argument("--chat-format", default="qwen2.5", choices=CHAT_FORMATS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-batch-size", type=int, default=256, help="rows sampled together at most")
+    p.add_argument("--session-ttl", type=float, default=3600.0, help="seconds an unused session is kept")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine (default: torch's)")
     args = p.parse_args(argv)
     try:
         check_model_folder(args.checkpoint, "--checkpoint")
     except ValueError as e:
         p.error(str(e))
     tokenizer = Tokenizer.from_file(os.path.join(args.checkpoint, "tokenizer.json"))
-    engine = make_engine("torch", args.checkpoint, pad_id=pad_token_id(tokenizer), dtype=args.dtype)
-    server = Server(engine, tokenizer, args.served_model_name or args.checkpoint, args.chat_format,
-                    args.max_model_len, token=os.environ.get(TOKEN_ENV) or None, host=args.host, port=args.port)
+    engine = make_engine("torch", args.checkpoint, pad_id=pad_token_id(tokenizer), dtype=args.dtype,
+                         max_batch_size=args.max_batch_size)
+    names = args.served_model_name or [args.checkpoint]
+    server = Server(engine, tokenizer, names[0], args.chat_format, args.max_model_len,
+                    token=os.environ.get(TOKEN_ENV) or None, host=args.host, port=args.port,
+                    aliases=(*names[1:], *ALIASES), session_ttl_s=args.session_ttl, threads=args.threads)
     print(f"serving {server.model_name!r} on {server.start()}", flush=True)
     try:
         threading.Event().wait()
