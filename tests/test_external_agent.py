@@ -351,13 +351,42 @@ def test_the_example_agent_plays_through_the_server(tok):
         assert f"<tool_response>\n{t.task.answer}\n</tool_response>" in text       # the calculator's result
 
 
-@pytest.mark.slow
-def test_train_main_with_the_example_agent(tiny):
-    """A few steps of train.main with rollout.external_agent: rollouts, the update, the push through the server and
-    the weight-sync gate on the served engine, evaluation through the agent, a checkpoint."""
+def test_the_anthropic_twin_plays_the_same_episodes(tok):
+    """examples/calc_agent_anthropic.py (the anthropic package, the Messages API) against the same scripted engine:
+    the same rewards and, token for token, the same trajectories as the OpenAI example's."""
     example()
+    need("anthropic", "the twin is written against the anthropic package")
+    env = make_env("toy_math")
+    tasks = [t for t in env.sample_tasks("train", 40, 0) if t.meta["kind"] == "binary"][:2]
+    script = {t.prompt: ['<tool_call>\n{"name": "python_eval", "arguments": {"code": "%s"}}\n</tool_call>'
+                         % t.meta["expression"], '<tool_call>\n{"name": "finish", "arguments": {"answer": "%s"}}\n'
+                         '</tool_call>' % t.answer] for t in tasks}
+    played = {}
+    for name in ("calc_agent", "calc_agent_anthropic"):
+        rollouts = rollouts_for(None, ScriptedEngine(tok, script), tok, {"toy_math": env},
+                                f"rollout.external_agent={os.path.dirname(EXAMPLE)}/{name}.py:run",
+                                "rollout.agent.max_total_tokens=4096")
+        try:
+            played[name], _ = rollouts.play(tasks, SamplingParams(temperature=1.0, max_tokens=96), seed=0,
+                                            agent=AgentConfig(n_samples=2))
+        finally:
+            rollouts.shutdown()
+    for a, b in zip(played["calc_agent"], played["calc_agent_anthropic"]):
+        assert b.reward == 1.0 and b.num_turns == 2 and b.num_tool_calls == 2 and b.rows == []
+        assert (a.token_ids, a.loss_mask, a.logprobs, a.reward) == (b.token_ids, b.loss_mask, b.logprobs, b.reward)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent_file", ["calc_agent.py", "calc_agent_anthropic.py"])
+def test_train_main_with_the_example_agent(tiny, agent_file):
+    """A few steps of train.main with rollout.external_agent: rollouts, the update, the push through the server and
+    the weight-sync gate on the served engine, evaluation through the agent, a checkpoint; for the OpenAI example
+    and its Anthropic twin."""
+    example()
+    need("anthropic", "the twin is written against the anthropic package")
     from train import main
-    cfg = tiny("steps=2", "eval_every=2", "run_name=external", f"rollout.external_agent={EXAMPLE}:run",
+    path = os.path.join(os.path.dirname(EXAMPLE), agent_file)
+    cfg = tiny("steps=2", "eval_every=2", f"run_name=external_{agent_file[:-3]}", f"rollout.external_agent={path}:run",
                "envs.0.eval_size=4")
     summary = main(cfg)
     lines = [json.loads(l) for l in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]

@@ -10,6 +10,7 @@ import copy
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from model import save_model
 from rollout import SamplingParams, TorchEngine, assert_synced, logprob_gap, make_engine, row_seeds, sync_probe
 from sft import write_tokenizer_files
 from wings.engine_openai import OpenAIEngine
+from wings.external_agent import load_agent
 from wings.capture import session_trajectories
 from wings.serve import Server
 from test_agent import CalcEnv, ScriptedEngine, call_text, calc_task, three_turn_script, tok  # noqa: F401 (a fixture)
@@ -429,7 +431,7 @@ def test_sessions_endpoint_returns_and_pops_records(served):
 # bad requests
 
 CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-         411: "length_required", 413: "request_too_large"}     # OpenAI's categories, not the status (serve_http.CODES)
+         408: "request_timeout", 411: "length_required", 413: "request_too_large"}     # OpenAI's categories, not the status (serve_http.CODES)
 SPECIFIC = {"unknown model": "model_not_found", "context too long": "context_length_exceeded",
             "prompt too long": "context_length_exceeded"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -473,6 +475,18 @@ BAD = {   # name: (path, body (dict, or raw bytes), status, a piece of the messa
     "empty prompt": ("/completions", {**COMPLETE, "prompt": []}, 400, "prompt must"),
     "prompt dict": ("/completions", {**COMPLETE, "prompt": {"a": 1}}, 400, "prompt must"),
     "session not a string": ("/chat/completions", {**CHAT, "user": 5}, 400, "session"),
+    "tool parameters a string": ("/chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400, "JSON Schema object"),
+    "tool parameters not an object": ("/chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "JSON Schema object"),
+    "lone surrogate in content": ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                                  b'"a \\ud800 b"}]}', 400, "lone surrogate"),
+    "lone surrogate in a tool": ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}'
+                                 b'], "tools": [{"type": "function", "function": {"name": "\\udfff"}}]}', 400,
+                                 "lone surrogate"),
+    "lone surrogate in a prompt": ("/completions", b'{"model": "tiny", "prompt": "x\\ud800"}', 400, "lone surrogate"),
+    "lone surrogate in stop": ("/completions", b'{"model": "tiny", "prompt": [5], "stop": "\\ud800"}', 400,
+                               "lone surrogate"),
     "unknown path": ("/embeddings", CHAT, 404, "not served"),
     "weights without token": ("/weights", b"", 401, "Bearer"),
     "too large": ("/chat/completions", b"x" * ((5 << 20) + 7), 413, "at most"),
@@ -524,6 +538,104 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(tok):
 
 
 # -----------------------------------------------------------------------------
+# a server that holds
+
+def raw(address, data: bytes, timeout: float = 60) -> bytes:
+    """Send bytes on a fresh connection -> everything the server sends back until it closes."""
+    with socket.create_connection(address, timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    return out
+
+
+def test_a_burst_of_fresh_connections_is_accepted(served):
+    """64 clients open a connection at the same instant (the trainer runs up to WORKERS agents against this very
+    server): the listening socket's backlog holds them all, none is reset."""
+    barrier, answers = threading.Barrier(64), []
+
+    def client():
+        barrier.wait()
+        answers.append(raw(served.address, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+    threads = [threading.Thread(target=client) for _ in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 64 and all(a.startswith(b"HTTP/1.1 200 ") for a in answers)
+
+
+def test_open_connections_hold_no_thread(served):
+    """A connection is a coroutine on the event loop, not a thread: 64 open keep-alive connections, each served a
+    request, add no thread to the process."""
+    before = threading.active_count()
+    connections = [http.client.HTTPConnection(*served.address, timeout=60) for _ in range(64)]
+    try:
+        for c in connections:
+            c.request("GET", "/health")
+            assert c.getresponse().read() and c.sock is not None
+        assert threading.active_count() <= before
+    finally:
+        for c in connections:
+            c.close()
+
+
+@pytest.mark.parametrize("method, path, headers, status", [
+    ("POST", "/v1/embeddings", {}, 404),                             # an endpoint we do not serve
+    ("POST", "/v1/weights", {"Authorization": "Bearer wrong"}, 401), # refused before its body is read
+    ("PUT", "/v1/chat/completions", {}, 405), ("DELETE", "/v1/chat/completions", {}, 405),
+    ("GET", "/v1/chat/completions", {}, 405), ("PATCH", "/v1/models", {}, 405)])
+def test_a_refused_request_never_poisons_its_connection(served, method, path, headers, status):
+    """The refusal is a JSON error, and its body is read and dropped, so the next request on the same keep-alive
+    connection is parsed from its first byte."""
+    conn = http.client.HTTPConnection(*served.address, timeout=60)
+    try:
+        conn.request(method, path, body=json.dumps({"model": MODEL, "input": "x" * 5000}),
+                     headers={"Content-Type": "application/json", **headers})
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert r.status == status and error["code"] == CODES[status] and r.getheader("Content-Type") == \
+            "application/json"
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["choices"]
+    finally:
+        conn.close()
+
+
+def test_the_openai_client_after_an_unserved_endpoint_and_its_error_codes(served):
+    openai = need("openai", "the official client: its errors read OpenAI's error object")
+    client = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model=MODEL, input="hello")
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert client.chat.completions.create(**chat).choices          # the same connection pool goes on
+    for bad, code in [(dict(max_tokens=10**6), "context_length_exceeded"), (dict(temperature=-1), "invalid_request"),
+                      (dict(model="gpt-4"), "model_not_found")]:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(**{**chat, **bad})
+        assert e.value.code == code
+    assert client.chat.completions.create(**{**chat, "model": "policy"}).model == MODEL   # the documented alias
+
+
+def test_a_body_that_stops_arriving_is_dropped(tok, model):
+    """A Content-Length longer than the body sent: the server answers 408 and closes the connection once no byte came
+    for body_timeout_s (not a thread or a coroutine held forever)."""
+    server = Server(TorchEngine(copy.deepcopy(model), 0), tok, MODEL, body_timeout_s=0.5)
+    server.start()
+    try:
+        got = raw(server.address, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                  b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert post(server.url, "/chat/completions", CHAT)[0] == 200
+    finally:
+        server.stop()
+
+
+# -----------------------------------------------------------------------------
 # the command line
 
 @pytest.mark.slow
@@ -545,6 +657,16 @@ def test_cli_serves_a_checkpoint_folder(tok, model, tmp_path):
         direct = TorchEngine(model, 0).generate([COMPLETE["prompt"]], SamplingParams(temperature=0, max_tokens=4))
         assert status == 200 and reply["choices"][0]["token_ids"] == direct[0].token_ids
         assert push(url, dict(model.named_parameters()), TOKEN)["version"] == 1
+        # the example agents, as they run in training (model "policy": an alias every server answers to), each
+        # recorded in its session
+        examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+        for name, package in (("calc_agent", "openai"), ("calc_agent_anthropic", "anthropic")):
+            need(package, "the example agent's client")
+            agent = load_agent(os.path.join(examples, name + ".py") + ":run")
+            assert isinstance(agent({"id": "0", "env": "toy_math", "prompt": "What is 2 + 3?"}, url, name), str)
+            status, calls = get(url, f"/sessions/{name}?pop=1", {"Authorization": f"Bearer {TOKEN}"})
+            assert status == 200 and calls["calls"] and {c["endpoint"] for c in calls["calls"]} == \
+                {"calc_agent": {"chat"}, "calc_agent_anthropic": {"messages"}}[name]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
