@@ -12,8 +12,8 @@ whole process group) --kills times, each kill chosen in turn from three kinds of
 and relaunched at once. A last launch runs to the end. Then every final/**/*.safetensors, final/trainer_state.pt (the
 optimizer state, both step counters, the RNG states) and metrics.jsonl must equal the uninterrupted run's, byte for
 byte (with LoRA: its adapter files and the merged model). Exit status 0 when they do. Overrides after the options go to every launch (e.g. async rollouts with a
-staleness bound, whose queued batches a checkpoint must carry). tests/test_kill_resume.py runs short versions in CI;
-the README reports a long one.
+staleness bound, whose queued batches a checkpoint must carry; model.cache_dir, OUT/cache by default, to find the
+default model already built). tests/test_kill_resume.py runs short versions in CI; the README reports a long one.
 
 Partial rollouts (rollout.partial_rollouts=true): where each push lands depends on timing, so two runs agree only
 when one replays the other's swap record (partial_swaps.jsonl, async_rollouts.SwapRecord), which is compared too.
@@ -48,8 +48,8 @@ RECORD = "partial_swaps.jsonl"                            # partial rollouts: wh
 
 
 def command(out: str, run_name: str, steps: int, seed: int, resume: str = "", extra: tuple = ()) -> list[str]:
-    return [sys.executable, "train.py", "--config", "configs/toy_math.yaml", *TINY, *extra, f"steps={steps}",
-            f"seed={seed}", f"out_dir={out}", f"model.cache_dir={out}/cache", f"run_name={run_name}",
+    return [sys.executable, "train.py", "--config", "configs/toy_math.yaml", *TINY, f"model.cache_dir={out}/cache",
+            *extra, f"steps={steps}", f"seed={seed}", f"out_dir={out}", f"run_name={run_name}",
             *([f"resume={resume}"] * bool(resume))]
 
 

@@ -5,7 +5,8 @@ async rollouts two updates ahead (rollout.max_staleness=2: the checkpoints carry
 (adapter files and merged model), with two Ray rollout workers, and with partial rollouts: where each push lands is
 timing, so the killed run replays the uninterrupted run's swap record (and must end with the same record too), or
 (own record) replays only its own record across its kills, and a replay of its final record must give its bytes.
-The README reports the long version (20 kills)."""
+The README reports the long version (20 kills). The cases share one default model, built once for the session
+(test_train's tiny, the same SFT settings): each case's runs find it in model.cache_dir instead of building it."""
 import json
 import os
 import subprocess
@@ -16,6 +17,18 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_train import tiny  # noqa: E402,F401  (the session's tiny default model, built once)
+
+
+@pytest.fixture(scope="module")
+def model_cache(tiny):
+    """The cache folder holding the tiny default model, built here if no test built it yet (the reference run of
+    every case would otherwise build its own: the same model, ~30 s each on a loaded machine)."""
+    from sft import build_default_model
+    cfg = tiny()
+    build_default_model(cfg)
+    return cfg.model.cache_dir
 
 
 # async rollouts two updates ahead: a checkpoint must carry the queue of batches already sampled
@@ -30,10 +43,10 @@ CASES.update({"partial_replay": PARTIAL, "partial_own_record": ["--own-record", 
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_killed_and_resumed_run_ends_byte_identical(tmp_path, case):
+def test_killed_and_resumed_run_ends_byte_identical(tmp_path, case, model_cache):
     out = subprocess.run([sys.executable, "bench/kill_resume.py", "--kills", "3", "--steps", "8",
-                          "--out", str(tmp_path / "kr"), *CASES[case]], cwd=ROOT, capture_output=True, text=True,
-                         timeout=1500)
+                          "--out", str(tmp_path / "kr"), *CASES[case], f"model.cache_dir={model_cache}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{\n"):])
     assert all(result["control_identical"].values())          # two uninterrupted runs agree: the test can fail
