@@ -7,6 +7,7 @@ batch's broadcast, the sharded forward and backward, the full state dict's gathe
 
 Imports: none of our files (torch, the standard library).
 """
+import contextlib
 import os
 
 import torch
@@ -42,16 +43,31 @@ def cleanup_distributed() -> None:
 
 def barrier() -> None:
     """Wait for every rank (a no-op in one process): e.g. until rank 0 has built a shared file."""
-    if dist.is_initialized():
+    if dist.is_initialized() and not _ALONE[0]:
         dist.barrier()
 
 
+_ALONE = [False]       # inside alone(): this rank works by itself, as if it were the only process
+
+
+@contextlib.contextmanager
+def alone():
+    """Rank 0 doing work the other ranks wait for (sft.model_folder builds the default model): inside, the helpers
+    see one process (rank 0 of 1), so no collective is started that the waiting ranks would never join and no rows
+    are split across ranks. The build is then the one `python train.py` makes."""
+    _ALONE[0], before = True, _ALONE[0]
+    try:
+        yield
+    finally:
+        _ALONE[0] = before
+
+
 def get_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_initialized() and not _ALONE[0] else 0
 
 
 def get_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_initialized() and not _ALONE[0] else 1
 
 
 def is_main() -> bool:

@@ -37,7 +37,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from agent import run_episodes
 from batch import pad_right
 from chat import encode, render, turn_ends
-from distributed import barrier, is_main
+from distributed import alone, barrier, is_main
 from env import make_env
 from learner import LearnerConfig, make_learner, sft_step
 from model import ModelConfig, init_model, save_model
@@ -126,7 +126,8 @@ def model_folder(cfg) -> str:
     if cfg.model.path != "default":
         return cfg.model.path
     if is_main():
-        build_default_model(cfg)
+        with alone():             # the other ranks wait at the barrier: no collective, no rank split in the build
+            build_default_model(cfg)
     barrier()
     return build_default_model(cfg)
 

@@ -127,19 +127,24 @@ def test_full_state_dict_and_training_match_one_process(grads):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=STEP_GRAD_TOL)
 
 
-def test_train_py_under_torchrun_matches_one_process(tiny):
-    """`torchrun --nproc_per_node 2 train.py` for 2 steps: rank 0 alone writes metrics.jsonl (one record per
-    step) and the checkpoint; the rollouts are rank 0's, generated with the same seeds as one process, so the
-    first update's metrics equal a single-process run's."""
+def test_train_py_under_torchrun_matches_one_process(tiny, tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` for 2 steps, from an empty model cache: rank 0 builds the default model
+    by itself while rank 1 waits (distributed.alone), the same model one process builds; rank 0 alone writes
+    metrics.jsonl (one record per step) and the checkpoint; the rollouts are rank 0's, generated with the same seeds
+    as one process, so the first update's metrics equal a single-process run's."""
+    import hashlib
+
     from sft import build_default_model
     from test_train import TINY
     from train import main
 
     extra = ["steps=2", "eval_every=100", "threads=1", "learner.micro_batch_size=3"]
     one_cfg = tiny(*extra, "run_name=dp_one")
-    build_default_model(one_cfg)                                         # once (shared with test_train.py)
-    torchrun(["train.py", "--config", "configs/toy_math.yaml", *TINY, f"model.cache_dir={one_cfg.model.cache_dir}",
-              f"out_dir={one_cfg.out_dir}", *extra, "run_name=dp_two"], timeout=240)
+    built = build_default_model(one_cfg)                                 # once (shared with test_train.py)
+    torchrun(["train.py", "--config", "configs/toy_math.yaml", *TINY, f"model.cache_dir={tmp_path}",
+              f"out_dir={one_cfg.out_dir}", *extra, "run_name=dp_two"], timeout=300)
+    digest = lambda folder: hashlib.sha256(open(os.path.join(folder, "model.safetensors"), "rb").read()).hexdigest()
+    assert digest(tmp_path / os.path.basename(built)) == digest(built)  # no collective, no rank split in the build
     one = main(one_cfg)
     read = lambda name: [json.loads(l) for l in open(os.path.join(one_cfg.out_dir, name, "metrics.jsonl"))]
     two_lines, one_lines = read("dp_two"), read("dp_one")
