@@ -181,6 +181,11 @@ KNOBS: dict[str, Knob] = {
                                       "with reasoning blocks or enable_thinking (tests/test_agent.py checks both "
                                       "against the checkpoints' jinja templates)"),
     "rollout.agent.enable_thinking": Knob("false", ("rollout.agent.chat_format=qwen3",)),
+    "rollout.agent.memory": Knob("window", (), CHANGES, "toy math's episodes fit the default memory_turns whole, "
+                                 "so they train as full's; the segments are counted (rollout/segments)"),
+    "rollout.agent.memory_turns": Knob("1", ("rollout.agent.memory=window",)),
+    "rollout.agent.summary_every": Knob("1", ("rollout.agent.memory=summary",)),
+    "rollout.agent.summary_tokens": Knob("8", ("rollout.agent.memory=summary", "rollout.agent.summary_every=1")),
     # --- algo
     "algo.name": Knob("rloo"),
     "algo.advantage": Knob("rloo"),
