@@ -422,6 +422,34 @@ def test_train_main_trains_an_agent_that_rewrites_its_history(tiny, tmp_path):
     assert line["rollout/num_turns"] == 2 and line["train/updates"] >= 1 and line["sync/logprob_abs_diff"] < 1e-3
 
 
+@pytest.mark.slow
+def test_the_agent_process_runs_the_episodes_and_reports_timeouts_as_they_happen(tmp_path):
+    """The callable named by rollout.external_agent runs in a process of its own: outcomes in order, an error caught,
+    a timeout reported while the others go on (so its session is closed then), a result that is no reward kept as
+    one (it crosses the process boundary as its repr)."""
+    from wings.external_agent import AgentProcess
+    (tmp_path / "agent.py").write_text(
+        "import os, time\n"
+        "def run(task, base_url, session):\n"
+        "    if session == 'slow':\n"
+        "        time.sleep(30)\n"
+        "    if session == 'bad':\n"
+        "        raise ValueError('boom')\n"
+        "    if session == 'object':\n"
+        "        return object()\n"
+        "    return [float(os.getpid()), 1.0]\n")
+    process = AgentProcess(f"{tmp_path}/agent.py:run", timeout_s=2.0)
+    timed_out = []
+    try:
+        out = process.run([({}, "", s) for s in ("ok", "slow", "bad", "object")], timed_out.append)
+    finally:
+        process.close()
+    assert out[0].result[1] == 1.0 and out[0].result[0] != os.getpid()          # another process
+    assert out[1].timed_out and timed_out == [1] and out[2].error == "ValueError: boom"
+    assert "object object" in out[3].result["not a reward"] and grade(out[3].result, None, None, 1) is None
+    assert not process.process.is_alive()
+
+
 @pytest.fixture
 def one_thread():
     """torch on 1 CPU thread in this thread (as train.py's threads=1 sets it), restored after the test."""

@@ -47,6 +47,8 @@ from model import KVCache
 from rollout import Generation, SamplingParams, TorchEngine
 
 HOOKS = ("_prefill_layout", "_token_boundary", "_rows_done", "_store")   # TorchEngine's, overridden by its wings
+GATHER_S = 0.002          # an idle engine waits while requests keep arriving this often (Triton's max_queue_delay)
+GATHER_ROUNDS = 10        # ... for 10 such waits at most: a lone request starts within 2-20 ms
 
 
 @dataclass(eq=False)
@@ -286,8 +288,8 @@ class Scheduler:
     different count rounds the model's matrix products differently: the same count as the trainer's own engine
     calls keeps a lone request bit-equal to them."""
 
-    def __init__(self, engine, threads: int | None = None):
-        self.engine, self.version, self.threads = engine, 0, threads
+    def __init__(self, engine, threads: int | None = None, gather_s: float = GATHER_S):
+        self.engine, self.version, self.threads, self.gather_s = engine, 0, threads, gather_s
         self.batch = ContinuousBatch(engine, self._finish) if batchable(engine) else None
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
@@ -359,11 +361,21 @@ class Scheduler:
                 return (self.commands.popleft() if not self._busy() else None), []
             if self.batch is None:
                 return None, [self.waiting.popleft()]
+            if not self._busy():                        # an idle engine: let the requests that arrive together
+                self._gather()                          # start together (one prefill, not one per arrival)
             jobs, room = [], self.batch.room()
             while self.waiting and self.waiting[0].params.n <= room:
                 room -= self.waiting[0].params.n
                 jobs.append(self.waiting.popleft())
             return None, jobs
+
+    def _gather(self):
+        """Wait while requests keep arriving: until none came for gather_s, GATHER_ROUNDS times at most."""
+        for _ in range(GATHER_ROUNDS):
+            seen = len(self.waiting)
+            self.cond.wait(self.gather_s)
+            if len(self.waiting) == seen or self.commands or self.stopping:
+                return
 
     def _loop(self):
         torch.set_num_threads(self.threads)             # OpenMP's count is per thread: set it in this one

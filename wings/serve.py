@@ -70,7 +70,7 @@ TOKEN_ENV = "NANO_SKYRL_SERVE_TOKEN"      # the env var holding the bearer token
 ALIASES = ("policy",)                     # model names every server also answers to: the name the training server
                                           # (external_agent.RunServer) and the example agents use
 SAMPLING = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
-POLL_S = 0.1                              # how often a request waiting for the engine checks that its client is there
+POLL_S = 0.25                             # how often the watchdog looks for clients that left (Server.watch)
 
 
 # -----------------------------------------------------------------------------
@@ -299,6 +299,7 @@ class Server:
         self.version = version         # the weights' version, stamped on every token an engine does not stamp
         self.call_ids = itertools.count()  # numbers the tool calls returned (next() is atomic under the GIL)
         self.http: HTTPServer | None = None
+        self.inflight: dict[Request, list[Job]] = {}   # requests waiting for the engine (the watchdog's)
 
     # -- the engine interface (the in-process trainer's side) -------------------------------------------------------
 
@@ -592,16 +593,28 @@ class Server:
         return jobs
 
     async def wait(self, request: Request, jobs: list[Job]) -> list[list[Generation]]:
-        futures = [asyncio.wrap_future(j.future) for j in jobs]
+        """The jobs' generations, or ClientGone when the watchdog cancelled them (their client left)."""
+        self.inflight[request] = jobs
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(j.future) for j in jobs), return_exceptions=True)
+        finally:
+            del self.inflight[request]
+        if any(isinstance(r, asyncio.CancelledError) for r in results):
+            raise ClientGone()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def watch(self):
+        """The watchdog, on the event loop: every POLL_S, the jobs of a request whose client left are cancelled
+        (one timer for the whole server rather than one per waiting request)."""
         while True:
-            _, pending = await asyncio.wait(futures, timeout=POLL_S)
-            if not pending:
-                errors = [f.exception() for f in futures]            # every one retrieved
-                if any(errors):
-                    raise next(e for e in errors if e)
-                return [f.result() for f in futures]
-            if request.gone():
-                raise ClientGone()
+            await asyncio.sleep(POLL_S)
+            for request, jobs in list(self.inflight.items()):
+                if request.gone():
+                    for job in jobs:
+                        self.scheduler.cancel(job)
 
     def drop(self, jobs: list[Job], slots: list[Slot], disconnected: bool):
         """A call that will not be recorded: its jobs cancelled (they leave the batch), its places left empty."""
@@ -622,15 +635,12 @@ class Server:
         try:
             for event in fmt.start(len(ids)):
                 yield event
-            ended = 0
+            ended, self.inflight[request] = 0, jobs
             while ended < len(jobs):
-                try:
-                    i, new = await asyncio.wait_for(queue.get(), POLL_S)
-                except asyncio.TimeoutError:
-                    i, new = None, None
-                if request.gone():
+                i, new = await queue.get()     # a step's tokens, or a job's end (the watchdog's cancel included)
+                if request.gone() or any(job.future.cancelled() for job in jobs):
                     raise ClientGone()
-                ended += i is not None and new is None
+                ended += new is None
                 for s, tokens in (new or {}).items():
                     c = i * n + s
                     ids[c] += tokens
@@ -658,6 +668,7 @@ class Server:
                 self.capture.record(slot, call)
             outcome = "done"
         finally:
+            self.inflight.pop(request, None)
             if outcome != "done":
                 self.drop(jobs, slots, disconnected=outcome == "gone")
 
@@ -727,6 +738,7 @@ class Server:
         self.scheduler.start()
         self.http = HTTPServer(self.handle, self.host, self.port, body_timeout_s=self.body_timeout_s)
         self.address = self.http.start()
+        self.watchdog = asyncio.run_coroutine_threadsafe(self.watch(), self.http.loop)
         return self.url
 
     @property
@@ -736,6 +748,7 @@ class Server:
 
     def stop(self):
         if self.http is not None:
+            self.watchdog.cancel()
             self.http.stop()
             self.http = None
         self.scheduler.stop()

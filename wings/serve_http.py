@@ -43,6 +43,15 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    404: "not_found_error", 413: "request_too_large", 500: "api_error"}
 
 
+async def within(awaitable, seconds: float):
+    """await it, or asyncio.TimeoutError after `seconds`: asyncio.timeout (Python 3.11) only arms a timer, where
+    wait_for also wraps the read in a task of its own, a cost paid on every request of every connection."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
+
+
 class RequestError(Exception):
     """A bad request: answered with `status` and OpenAI's error object ({"error": {"message", "type", "param",
     "code"}}; code: a specific reason such as context_length_exceeded, else CODES' category), or Anthropic's
@@ -74,7 +83,7 @@ class Stream:
     content_type: str = "text/event-stream"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One request: its head parsed; the body read on demand (body(), json())."""
     method: str
@@ -132,7 +141,7 @@ class Request:
         parts, left = [], size
         while left > 0:
             try:
-                chunk = await asyncio.wait_for(self.reader.read(min(left, CHUNK)), self.body_timeout_s)
+                chunk = await within(self.reader.read(min(left, CHUNK)), self.body_timeout_s)
             except asyncio.TimeoutError:
                 self.body_read = True                    # as far as it will be: the connection closes
                 raise RequestError(408, f"the body stopped arriving: {size - left} of {size} bytes (Content-Length) "
@@ -232,7 +241,7 @@ class HTTPServer:
         """The next request's line and headers, or None: the client closed the connection, was idle too long, or
         sent a malformed head (answered 400 or 431 first)."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.idle_timeout_s)
+            head = await within(reader.readuntil(b"\r\n\r\n"), self.idle_timeout_s)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError):
             return None
         except asyncio.LimitOverrunError:
