@@ -154,6 +154,26 @@ def test_chat_gives_the_engines_own_ids_logprobs_and_kept_sizes(served, tok, mod
         assert all(0 < k <= 7 for s in call.samples for k in s.kept_sizes)
 
 
+def test_the_prefix_encoder_gives_the_tokenizers_own_ids(tok):
+    """PrefixEncoder reuses the ids of prefixes that end at <|im_end|>: on growing conversations (non-ASCII, spaces,
+    tool calls and their results, several sessions sharing a system prompt) its ids are encode(text)'s, and the
+    conversation's earlier turns come from its cache."""
+    import random
+    from wings.serve import PrefixEncoder
+    encoder, rng = PrefixEncoder(tok, "<|im_end|>"), random.Random(0)
+    for session in range(30):
+        msgs = [{"role": "system", "content": CalcEnv.SYSTEM + " é 中文" * rng.randint(0, 2)},
+                {"role": "user", "content": f"Compute {rng.randint(0, 99)} + {rng.randint(0, 99)}. ñ"}]
+        for turn in range(4):
+            text = render(msgs, CalcEnv.TOOLS, add_generation_prompt=True)
+            hit = encoder._cached(text)[0]
+            assert encoder(text) == encode(tok, text)
+            assert turn == 0 or hit == len(render(msgs[:-2], CalcEnv.TOOLS)) - 1   # up to the last <|im_end|> before
+            msgs += [{"role": "assistant", "content": rng.choice(["Let me", "ok  ", " \n", "café", ""]),
+                      "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                     {"role": "tool", "content": str(rng.random())}]
+
+
 def test_openai_engine_against_the_server_equals_the_engine(served, model):
     """engine_openai (our client of `vllm serve`) over this server: each prompt is one request with its row seed,
     sent one at a time, so the server's batch holds that request alone, its engine call is exactly

@@ -51,6 +51,7 @@ import os
 import threading
 import time
 import urllib.parse
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -210,6 +211,45 @@ def releasable(text: str, holds: tuple[str, ...] | None) -> str:
     return text[:cut].rstrip().rstrip("\ufffd").rstrip()
 
 
+class PrefixEncoder:
+    """chat.encode for the prompts a server renders, reusing the ids of the longest prefix seen before that ends with
+    a turn end (<|im_end|>). The tokenizer matches special tokens before it splits and merges the text between them,
+    so the ids after one do not depend on the text before it: encode(a + b) = encode(a) + encode(b) when `a` ends
+    with one (a test compares the two on many conversations). An agent sends its whole conversation with every
+    request; a request then encodes its new turns, and a session's first request its own turns after the system
+    prompt and tool schemas its agent shares with every other session."""
+
+    def __init__(self, tokenizer, boundary: str, size: int = 4096, candidates: int = 4):
+        self.tokenizer, self.boundary, self.id = tokenizer, boundary, tokenizer.token_to_id(boundary)
+        self.size, self.candidates = size, candidates   # prefixes kept (least recently used dropped); ends tried
+        self.cache: OrderedDict[str, list[int]] = OrderedDict()
+
+    def _cached(self, text: str) -> tuple[int, list[int]]:
+        """(length, ids) of the longest cached prefix among the last `candidates` turn ends and the first."""
+        ends, at = [], text.rfind(self.boundary)
+        while at >= 0 and len(ends) < self.candidates:
+            ends.append(at)
+            at = text.rfind(self.boundary, 0, at)
+        first = text.find(self.boundary)
+        for at in ends + ([first] if first >= 0 and first not in ends else []):
+            ids = self.cache.get(text[:at + len(self.boundary)])
+            if ids is not None:
+                self.cache.move_to_end(text[:at + len(self.boundary)])
+                return at + len(self.boundary), ids
+        return 0, []
+
+    def __call__(self, text: str) -> list[int]:
+        cut, cached = self._cached(text)
+        rest = self.tokenizer.encode(text[cut:], add_special_tokens=False)   # chat.encode, with its offsets
+        ids = cached + rest.ids
+        ends = [k for k, t in enumerate(rest.ids) if t == self.id]
+        for k in ends[:1] + ends[-1:]:                  # the system turn's end and the last one: what comes again
+            self.cache[text[:cut + rest.offsets[k][1]]] = ids[:len(cached) + k + 1]
+        while len(self.cache) > self.size:
+            self.cache.popitem(last=False)
+        return ids
+
+
 class ChatChunks:
     """The server-sent events of a streamed chat completion (https://platform.openai.com/docs/api-reference/chat-
     streaming): a role delta per choice, content deltas, then per choice its tool calls as one tool_calls delta each
@@ -298,6 +338,7 @@ class Server:
         self.scheduler = Scheduler(engine, threads)
         self.version = version         # the weights' version, stamped on every token an engine does not stamp
         self.call_ids = itertools.count()  # numbers the tool calls returned (next() is atomic under the GIL)
+        self.encode = PrefixEncoder(tokenizer, turn_ends(chat_format)[0])   # the rendered prompts' ids
         self.http: HTTPServer | None = None
         self.inflight: dict[Request, list[Job]] = {}   # requests waiting for the engine (the watchdog's)
 
@@ -404,7 +445,7 @@ class Server:
                           enable_thinking=thinking)
         except (ValueError, KeyError, TypeError) as e:
             raise RequestError(400, f"messages cannot be rendered: {e}", "messages") from None
-        prompt = encode(self.tokenizer, _utf8(text, "messages"))
+        prompt = self.encode(_utf8(text, "messages"))
         stops = self.stops(body)
         params = self.sampling(body, len(prompt), replace(stops, token_ids=(*self.turn_ends, *stops.token_ids)))
         logprobs = body.get("logprobs") or False
