@@ -19,8 +19,10 @@ files of their own that make_engine imports by name only when a run asks for the
   prefix_cache.py    keys and values kept across calls, so a turn prefills only its new tokens (prefix_cache_tokens)
   async_rollouts.py  a TorchEngine that generates in a background thread and takes pushes mid-generation
                      (rollout.async_rollouts, rollout.partial_rollouts)
-Each optional piece is a subclass of TorchEngine that overrides its hooks (_prefill_layout, _token_boundary,
-_rows_done, _store); make_engine combines the ones a run turns on.
+  fast_decode.py     a decode step that reads a group's prompt once, with fused projections, optionally compiled
+                     (rollout.decode)
+Each optional piece is a subclass of TorchEngine that overrides its hooks (_prefill_layout, _token_boundary, _decode,
+_rows_done, _store, draw); make_engine combines the ones a run turns on.
 
 The weight-sync gate (last section) is what train.py runs after every push: the engine samples a few short
 continuations and the learner scores them; their log-probs must agree, or the engine is not running the learner's
@@ -87,7 +89,7 @@ class Generation:
 # -----------------------------------------------------------------------------
 # sampling and weight pushes, shared by the engines
 
-def sample_tokens(logits, temperature: float, top_p: float = 1.0, generator=None, top_k: int = 0):
+def sample_tokens(logits, temperature: float, top_p: float = 1.0, generator=None, top_k: int = 0, draw=None):
     """Pick one token per row. logits (B, V) -> (tokens (B,), logprobs (B,), kept sizes (B,) long or None).
 
     The log-prob reported is that of the distribution the token was drawn from, at the chosen token: log
@@ -96,8 +98,11 @@ def sample_tokens(logits, temperature: float, top_p: float = 1.0, generator=None
     (algos.truncated_logprobs); the set's size comes back too (None when nothing is truncated), so the learner can
     rebuild the set on its own logits (algos.kept_mask_from_size) and score the very distribution sampled: the
     importance ratio is then 1 when the policy has not changed. Without truncation nothing extra is computed and
-    the random draws are those of plain sampling.
+    the random draws are those of plain sampling. draw(probs (B, V), generator) -> (B,) picks one index per row
+    with those probabilities; None: torch.multinomial (fast_decode.py's inverse CDF draws the same law with fewer
+    random numbers).
     """
+    draw = draw or (lambda probs, g: torch.multinomial(probs, 1, generator=g).squeeze(-1))
     logits = logits.float()
     if temperature == 0:                                                # greedy: top-k / top-p change nothing
         tokens = logits.argmax(-1)                                      # (B,)
@@ -107,12 +112,12 @@ def sample_tokens(logits, temperature: float, top_p: float = 1.0, generator=None
         # algos.truncation_mask, which the learner's kept_mask_from_size rebuilds from its size
         in_set = algos.truncation_mask(logits, temperature, top_k, top_p)  # (B, V)
         probs = torch.softmax((logits / temperature).masked_fill(~in_set, -torch.inf), dim=-1)  # (B, V) renormalised
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        tokens = draw(probs, generator)                                 # (B,)
         return tokens, algos.truncated_logprobs(logits, tokens, in_set, temperature), in_set.sum(-1)
     else:
         logp_all = torch.log_softmax(logits / temperature, dim=-1)      # (B, V)
         probs = logp_all.exp()                                          # (B, V)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        tokens = draw(probs, generator)                                 # (B,)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1), None
 
 
@@ -193,8 +198,9 @@ class TorchEngine:
     Deterministic for a fixed (prompts, params, max_batch_size) when params.seed is set: one torch.Generator drives
     the whole call. Finished rows ride along (their extra tokens are dropped) until a quarter of the batch has
     finished; then they leave the batch and the KV cache. prefilled_tokens / prompt_tokens: prompt tokens run through
-    the model / asked for (rollout/prefix_cached). The hooks (_prefill_layout, _token_boundary, _rows_done, _store)
-    do nothing here; the wings override them."""
+    the model / asked for (rollout/prefix_cached). The hooks (_prefill_layout, _token_boundary, _decode, _rows_done,
+    _store, draw) are the plain step here; the wings override them."""
+    draw = None                     # sample_tokens' draw (None: torch.multinomial); fast_decode.py: the inverse CDF
 
     def __init__(self, model: Transformer, pad_id: int, max_batch_size: int = 256):
         self.model = model              # the learner's own module (train.shares_engine_model) or a copy
@@ -234,39 +240,35 @@ class TorchEngine:
         stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((B, N), self.pad_id, dtype=torch.long, device=device)  # (B, N)
         logprobs = torch.zeros(B, N, device=device)                                 # (B, N)
-        truncated = params.truncates
-        kept_sizes = torch.zeros(B, N, dtype=torch.long, device=device) if truncated else None  # (B, N) set sizes
+        kept_sizes = torch.zeros(B, N, dtype=torch.long, device=device) if params.truncates else None  # (B, N)
         lengths = torch.full((B,), N, dtype=torch.long, device=device)              # (B,)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)                   # (B,)
         rows = torch.arange(B, device=device)  # (b,) the original row of each row still in the batch
         for t in range(N):
             cache, h = self._token_boundary(prompts, rows, real, tokens, cache, C + S, h)
             logits = self.model.lm_head(h[:, -1])                     # (b, V)
-            tok, lp, size = sample_tokens(logits, params.temperature, params.top_p, generator,
-                                          params.top_k)                # (b,), (b,), (b,) or None
+            tok, lp, size = sample_tokens(logits, params.temperature, params.top_p, generator, params.top_k,
+                                          self.draw)                   # (b,), (b,), (b,) or None
             # a finished row still in the batch writes past its length; those entries are cut off below
             tokens[rows, t], logprobs[rows, t] = tok, lp
             if size is not None:
                 kept_sizes[rows, t] = size
             hit = torch.isin(tok, stop_ids) & ~stopped[rows]          # (b,) rows that stop at this step
-            lengths[rows[hit]] = t + 1
-            stopped[rows[hit]] = True
+            lengths[rows[hit]], stopped[rows[hit]] = t + 1, True
             live = ~stopped[rows]                                     # (b,)
             if t == N - 1 or not bool(live.any()):
                 break
-            if 4 * int(live.sum()) <= 3 * len(rows):
-                # a quarter of the batch has finished: drop those rows, so a few long samples do not
-                # drag the whole batch (and its KV cache) through every remaining step
+            if 4 * int(live.sum()) <= 3 * len(rows):  # a quarter has finished: drop those rows (and their KV
+                # cache), so a few long samples do not drag the whole batch through every remaining step
                 keep = live.nonzero().squeeze(1)                      # (b',)
                 self._rows_done(cache, real, rows, (~live).nonzero().squeeze(1), C + S)
                 rows, tok, real, next_pos = rows[keep], tok[keep], real[keep], next_pos[keep]
                 cache.keep_rows(keep)
-            h = self.model.hidden_states(tok[:, None], next_pos + t, real, cache)  # (b, 1, H)
+            h = self._decode(tok, next_pos + t, real, cache)          # (b, 1, H)
 
         self._rows_done(cache, real, rows, torch.arange(len(rows), device=device), C + S)
-        lengths, stopped = lengths.tolist(), stopped.tolist()
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        kept_sizes = kept_sizes.tolist() if truncated else [[] for _ in range(B)]
+        tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
+        kept_sizes = kept_sizes.tolist() if params.truncates else [[] for _ in range(B)]
         self._store(prompts, tokens, lengths)
         return [Generation(tokens[i][:lengths[i]], logprobs[i][:lengths[i]], "stop" if stopped[i] else "length",
                            kept_sizes=kept_sizes[i][:lengths[i]]) for i in range(B)]
@@ -287,6 +289,9 @@ class TorchEngine:
 
     def _token_boundary(self, prompts, rows, real, tokens, cache: KVCache, prompt_end: int, h) -> tuple:
         return cache, h             # before each token: async_rollouts.py swaps in weights pushed mid-generation
+
+    def _decode(self, tok, positions, real, cache: KVCache):
+        return self.model.hidden_states(tok[:, None], positions, real, cache)  # the next step: fast_decode.py's own
 
     def _rows_done(self, cache: KVCache, real, rows, which, prompt_end: int):
         pass                        # rows `which` leave the batch: prefix_cache.py keeps their keys and values
@@ -322,7 +327,8 @@ class TorchEngine:
 # the engines and the torch engine's optional pieces that live in files of their own (wings), "module.Class",
 # imported on first use: a run that never asks for one never imports it (nor vllm)
 ENGINES = {"vllm": "wings.engine_vllm.VLLMEngine", "openai": "wings.engine_openai.OpenAIEngine"}
-TORCH_ENGINE_PIECES = {"concurrent": "wings.async_rollouts.ConcurrentEngine",
+TORCH_ENGINE_PIECES = {"decode": "wings.fast_decode.FastDecodeEngine",
+                       "concurrent": "wings.async_rollouts.ConcurrentEngine",
                        "prefix_cache_tokens": "wings.prefix_cache.PrefixCachedEngine"}
 
 
@@ -334,22 +340,26 @@ def wing(entry: str):
 
 
 def make_engine(kind: str, model_dir: str, *, pad_id: int, model: Transformer | None = None, dtype: str = "float32",
-                max_batch_size: int = 256, prefix_cache_tokens: int = 0, concurrent: bool = False, **options):
+                max_batch_size: int = 256, prefix_cache_tokens: int = 0, concurrent: bool = False,
+                decode: str = "plain", **options):
     """The engine of `kind` for the Hugging Face folder `model_dir` (engine_options(cfg) gives every keyword
     from a run's config):
       torch   TorchEngine over `model` (the caller's own copy, or the learner's module) or, when None, the folder
-              loaded in `dtype`; with the pieces a run turns on (prefix_cache_tokens > 0, concurrent: generate in a
-              background thread, pushes mid-generation) combined into one subclass;
+              loaded in `dtype`; with the pieces a run turns on (decode: fast or compiled, the decode step of
+              fast_decode.py; prefix_cache_tokens > 0; concurrent: generate in a background thread, pushes
+              mid-generation) combined into one subclass;
       vllm, openai   ENGINES' class, built from the folder and `options` by its `build` classmethod."""
     if kind in ENGINES:
         return wing(ENGINES[kind]).build(model_dir, dtype=dtype, max_batch_size=max_batch_size, **options)
     if kind != "torch":
         raise ValueError(f"unknown engine {kind!r}: torch, vllm or openai")
     model = model if model is not None else load_model(model_dir, dtype=getattr(torch, dtype)).eval()
-    pieces = {"concurrent": concurrent, "prefix_cache_tokens": prefix_cache_tokens}
+    pieces = {"decode": "" if decode == "plain" else decode, "concurrent": concurrent,
+              "prefix_cache_tokens": prefix_cache_tokens}
     on = {k: v for k, v in pieces.items() if v}
     cls = TorchEngine
-    if on:                    # e.g. ConcurrentEngine(PrefixCachedEngine(TorchEngine)): each piece calls super()
+    if on:                    # e.g. FastDecodeEngine(ConcurrentEngine(PrefixCachedEngine(TorchEngine))): each piece
+                              # calls super(), and the fast step, first, sees the cache the others hand back
         cls = type("TorchEngine", tuple(wing(TORCH_ENGINE_PIECES[k]) for k in on), {})
     piece_args = {k: v for k, v in on.items() if k != "concurrent"}    # what the pieces take as arguments
     return cls(model, pad_id=pad_id, max_batch_size=max_batch_size, **piece_args)
@@ -365,7 +375,8 @@ def engine_options(cfg) -> dict:
             "max_batch_size": rollout.max_batch_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
             "base_url": rollout.base_url, "served_model": rollout.served_model,
             "api_key_env": rollout.api_key_env, "weights_dir": rollout.weights_dir,
-            "prefix_cache_tokens": rollout.prefix_cache_tokens, "concurrent": rollout.async_rollouts}
+            "prefix_cache_tokens": rollout.prefix_cache_tokens, "concurrent": rollout.async_rollouts,
+            "decode": rollout.decode}
 
 
 # -----------------------------------------------------------------------------

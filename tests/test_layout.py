@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["model", "algos", "plot", "distributed", "sandbox", "tools", "env", "tool_calls", "chat", "agent", "batch",
         "rollout", "microbatch", "learner", "config", "runs", "eval", "sft", "train"]
 WINGS = ["wings/" + n for n in ("engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "qlora",
-                                "cluster", "chat_llama3", "serve", "judge", "external_agent", "memory")]
+                                "cluster", "chat_llama3", "serve", "judge", "external_agent", "memory",
+                                "fast_decode")]
 WINGS += ["wings/" + n for n in ("serve_http", "serve_anthropic", "capture", "batcher")]   # serve.py's parts
 WORLD_LIBS = ["envs/worlds", "envs/sandbox_exec"]   # what only the worlds share: expert replay and JSON-lines files;
                                                     # the python_exec sandbox of the code worlds
