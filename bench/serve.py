@@ -6,17 +6,19 @@ the native loop's, side by side in one run (issue 38's two targets).
     .venv/bin/python bench/serve.py --part training --steps 5
 
 batching: `sessions` clients (threads of another process: they do not take the server's GIL) each send one chat
-          request at the same instant (a barrier), over plain HTTP on connections opened beforehand, to a serve.Server over a TorchEngine of the default model;
-          against it, the same prompts (rendered and encoded as the server does) in one engine.generate call, with
-          the same sampling (T = 1, max_tokens, stopping at <|im_end|>). tokens/s is sampled tokens over wall time
-          (the server's: from the barrier to the last answer, so the HTTP work is in it). The two take turns,
-          `repeats` times each; medians. Target: server / engine >= 0.8.
+          request at the same instant (a barrier), over plain HTTP on connections opened beforehand, to a
+          serve.Server over a TorchEngine of the default model; against it, the same prompts (rendered and encoded
+          as the server does) in one engine.generate call, with the same sampling (T = 1, max_tokens, stopping at
+          <|im_end|>). tokens/s is sampled tokens over wall time (the server's: from the barrier to the last
+          answer, so the HTTP work is in it). The two take turns, `repeats` times each; medians. Target:
+          server / engine >= 0.8.
 training: train.main on the main config (configs/toy_math.yaml) for `steps` steps, native (agent.LocalRollouts) and
           with rollout.external_agent=examples/calc_agent.py:run, taking turns `repeats` times; the median of
           perf/step_seconds (and perf/rollout_seconds) over the steps after the first. Target: external / native
           <= 1.25. Held-out evaluation is off (eval_every past the last step).
-Both parts run in this process with the same torch threads (--threads, default 1: the 2-core machine runs the
-agents' threads, the event loop and the engine at once).
+Both parts run in this process with the same torch threads (--threads, default 1: on the 2-core machine the engine,
+the event loop and the clients or agents share the cores). The agents run in their own process
+(external_agent.AgentProcess), as in training.
 """
 import argparse
 import json
@@ -83,8 +85,9 @@ def _clients(address, requests: list[bytes], pipe):
 
 def sessions_at_once(address, bodies: list[dict]) -> tuple[float, int]:
     """Every body sent by its own client at the same instant -> (seconds to the last answer, sampled tokens)."""
-    requests = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(data), data) for data in (json.dumps(b).encode() for b in bodies)]
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n")
+    requests = [head % len(data) + data for data in (json.dumps(b).encode() for b in bodies)]
     ours, theirs = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(target=_clients, args=(address, requests, theirs))
     child.start()

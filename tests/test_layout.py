@@ -26,7 +26,7 @@ CORE = ["model", "algos", "plot", "distributed", "sandbox", "tools", "env", "too
 WINGS = ["wings/" + n for n in ("engine_vllm", "engine_openai", "prefix_cache", "async_rollouts", "lora", "qlora",
                                 "cluster", "chat_llama3", "serve", "judge", "external_agent", "memory",
                                 "fast_decode")]
-WINGS += ["wings/" + n for n in ("serve_http", "serve_anthropic", "capture", "batcher")]   # serve.py's parts
+WINGS += ["wings/" + n for n in ("serve_http", "serve_openai", "serve_anthropic", "capture", "batcher")]   # serve's
 WORLD_LIBS = ["envs/worlds", "envs/sandbox_exec"]   # what only the worlds share: expert replay and JSON-lines files;
                                                     # the python_exec sandbox of the code worlds
 WORLDS = ["envs/" + n for n in ("env_math", "env_search", "env_code", "env_humaneval", "env_webshop", "env_alfworld",
@@ -34,10 +34,11 @@ WORLDS = ["envs/" + n for n in ("env_math", "env_search", "env_code", "env_human
 WING_IMPORTS = {"wings/external_agent": {"wings/serve",    # the user's agent talks to serve.Server's HTTP API,
                                           "wings/capture",  # its session becomes the trajectories,
                                           "wings/serve_http"},   # and RunServer refuses with its RequestError
-                # the server's parts, each a file of its own (the transport, the second dialect, the records, the
-                # engine thread), imported one way: by serve.py; of them only the dialect imports one (RequestError)
-                "wings/serve": {"wings/serve_http", "wings/serve_anthropic", "wings/capture", "wings/batcher"},
-                "wings/serve_anthropic": {"wings/serve_http"},
+                # the server's parts, each a file of its own (the transport, the two dialects, the records, the
+                # engine thread), imported one way: by serve.py; of them only the dialects import one (RequestError)
+                "wings/serve": {"wings/serve_http", "wings/serve_openai", "wings/serve_anthropic", "wings/capture",
+                                "wings/batcher"},
+                "wings/serve_openai": {"wings/serve_http"}, "wings/serve_anthropic": {"wings/serve_http"},
                 "wings/qlora": {"wings/lora"}}             # QLoRA is LoRA on an NF4 base: its layers are LoRALinear
 WORLD_IMPORTS = {"envs/env_humaneval": {"envs/env_code"}}  # HumanEval grades with the code world's run_grading
 CONFIG_IMPORTS = {"agent", "learner",          # the dataclasses config.Config assembles (AgentConfig, LearnerConfig)

@@ -450,8 +450,9 @@ def test_sessions_endpoint_returns_and_pops_records(served):
 # -----------------------------------------------------------------------------
 # bad requests
 
+# OpenAI's categories, not the status (serve_http.CODES)
 CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-         408: "request_timeout", 411: "length_required", 413: "request_too_large"}     # OpenAI's categories, not the status (serve_http.CODES)
+         408: "request_timeout", 411: "length_required", 413: "request_too_large"}
 SPECIFIC = {"unknown model": "model_not_found", "context too long": "context_length_exceeded",
             "prompt too long": "context_length_exceeded"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -617,7 +618,8 @@ def test_a_refused_request_never_poisons_its_connection(served, method, path, he
         error = json.loads(r.read())["error"]
         assert r.status == status and error["code"] == CODES[status] and r.getheader("Content-Type") == \
             "application/json"
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT),
+                     headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["choices"]
     finally:

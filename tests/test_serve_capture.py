@@ -9,16 +9,13 @@ order, sessions that expire. Oracle: our agent loop (a client's conversation is 
 builds for it, token for token) and the engine's own ids.
 """
 import copy
-import json
 import threading
-import time
 
-import openai
 import pytest
-import torch
 
 from agent import AgentConfig
 from chat import encode, render
+from conftest import need
 from env import mix_seed
 from rollout import SamplingParams, TorchEngine
 from wings.capture import Call, Capture, Sample, session_trajectories
@@ -89,6 +86,7 @@ def test_a_resent_request_trains_once_and_the_orphan_is_counted(tok):
 def test_a_timed_out_request_is_not_recorded_and_its_resend_is_trained(tok):
     """The client timed out while the engine was busy and resent: the server saw it leave, cancelled its call and
     recorded nothing of it; the resend is the session's first call."""
+    openai = need("openai", "a client that times out as the official one does")
     task = calc_task(0, 2, 3)
     state = {}
 

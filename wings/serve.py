@@ -10,6 +10,7 @@ https://docs.anthropic.com/en/api/messages):
   POST /v1/completions       prompts as text or token ids; token ids back (return_token_ids), as `vllm serve` does,
                              so engine_openai.OpenAIEngine is a client of this server
   POST /v1/messages          Anthropic's Messages API, translated into a chat request by serve_anthropic.py
+OpenAI's request fields are checked, and its stream chunks written, by serve_openai.py.
   GET  /v1/models            the one served model, with the version of its weights
   POST /v1/weights           a trainer's push (safetensors bytes), authenticated by a bearer token
   GET  /v1/sessions/ID       a session's records (authenticated; ?pop=1 also forgets them)
@@ -36,7 +37,8 @@ The Server answers `generate` like an engine, so rollout.sync_probe (through it,
 HTTP) and rollout.logprob_gap check it after a push like any other engine. Docs: docs/serve.md.
 
 Imports: tool_calls.py, chat.py, rollout.py, runs.py (the CLI's folder check), wings/capture.py, wings/batcher.py,
-wings/serve_http.py, wings/serve_anthropic.py (and torch, safetensors, tokenizers, the standard library).
+wings/serve_http.py, wings/serve_openai.py, wings/serve_anthropic.py (and torch, safetensors, tokenizers, the
+standard library).
 """
 import argparse
 import asyncio
@@ -46,7 +48,6 @@ import hmac
 import inspect
 import itertools
 import json
-import math
 import os
 import threading
 import time
@@ -63,6 +64,7 @@ from rollout import Generation, SamplingParams, make_engine, row_seeds
 from runs import check_model_folder
 from tool_calls import TOOL_CALL_OPEN
 from wings import serve_anthropic
+from wings.serve_openai import REFUSED, ChatChunks, CompletionChunks, chat_messages, number_field, valid_unicode
 from wings.batcher import Job, Scheduler
 from wings.capture import Call, Capture, Sample, Slot
 from wings.serve_http import ClientGone, HTTPServer, Request, RequestError, Stream
@@ -75,96 +77,7 @@ POLL_S = 0.25                             # how often the watchdog looks for cli
 
 
 # -----------------------------------------------------------------------------
-# requests: parsed and checked before the engine sees them
-
-# fields that would change the result and that this server does not implement: refused unless at their default
-REFUSED = {"logit_bias": (None, {}), "presence_penalty": (0, 0.0, None),
-           "frequency_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "echo": (False, None),
-           "suffix": (None,), "best_of": (None, 1), "tool_choice": (None, "auto"), "functions": (None,),
-           "function_call": (None,), "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0),
-           "min_tokens": (None, 0), "min_p": (None, 0, 0.0), "prompt_logprobs": (None,)}
-
-
-def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
-    x = body.get(key)
-    if x is None:
-        return default
-    ok = isinstance(x, int) if integer else isinstance(x, (int, float))
-    if isinstance(x, bool) or not ok or not (lo <= x <= hi) or (isinstance(x, float) and math.isnan(x)):
-        kind = "an integer" if integer else "a number"
-        raise RequestError(400, f"{key} must be {kind} in [{lo}, {hi}], got {x!r}", key)
-    return x
-
-
-def _utf8(text: str, where: str) -> str:
-    """`text`, or a 400 when it holds a lone surrogate (JSON's "\\ud800" alone): not text a tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(400, f"{where} holds a lone surrogate ({text[e.start:e.end]!r} at {e.start}): text must "
-                                "be valid Unicode", where) from None
-    return text
-
-
-def _text(content, where: str, optional: bool = False) -> str:
-    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts joined."""
-    if content is None and optional:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(400, f"{where} must be a string or a list of text parts (no images, audio or files)", where)
-
-
-def _assistant(m: dict, where: str) -> dict:
-    msg = {"role": "assistant", "content": _text(m.get("content"), where + ".content", optional=True)}
-    calls = m.get("tool_calls") or []
-    if not isinstance(calls, list):
-        raise RequestError(400, f"{where}.tool_calls must be a list", where + ".tool_calls")
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and isinstance(fn.get("arguments"), (str, dict))):
-            raise RequestError(400, f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': "
-                                    f"{{'name': str, 'arguments': str}}}}", f"{where}.tool_calls")
-    if calls:
-        msg["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                               "arguments": c["function"]["arguments"]}}
-                             for c in calls]
-    if isinstance(m.get("reasoning_content"), str):
-        msg["reasoning_content"] = m["reasoning_content"]
-    return msg
-
-
-def chat_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
-    """The request's messages and tools, checked and reduced to what chat.render reads (OpenAI's chat schema:
-    roles system / user / assistant / tool; assistant tool_calls [{"type": "function", "function": {"name",
-    "arguments"}}]; tools [{"type": "function", "function": {"name", "parameters": a JSON schema object}}])."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list of messages", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            role = m.get("role") if isinstance(m, dict) else m
-            raise RequestError(400, f"{where}.role must be system, user, assistant or tool, got {role!r}", where)
-        out.append(_assistant(m, where) if m["role"] == "assistant" else
-                   {"role": m["role"], "content": _text(m.get("content"), where + ".content")})
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools)):
-        raise RequestError(400, "tools must be a list of {'type': 'function', 'function': {'name': str, ...}}", "tools")
-    for i, t in enumerate(tools or []):      # OpenAI and vLLM answer 400 too: the schema of the arguments is an object
-        schema = t["function"].get("parameters")
-        if schema is not None and not (isinstance(schema, dict) and schema.get("type", "object") == "object"):
-            raise RequestError(400, f"tools[{i}].function.parameters must be a JSON Schema object ({{'type': "
-                                    f"'object', 'properties': ...}}), got {schema!r:.80}", "tools")
-    return out, tools or None
-
+# requests, checked (serve_openai.py holds OpenAI's fields), and the pieces of their answers
 
 @dataclass(frozen=True)
 class Stops:
@@ -248,56 +161,6 @@ class PrefixEncoder:
         while len(self.cache) > self.size:
             self.cache.popitem(last=False)
         return ids
-
-
-class ChatChunks:
-    """The server-sent events of a streamed chat completion (https://platform.openai.com/docs/api-reference/chat-
-    streaming): a role delta per choice, content deltas, then per choice its tool calls as one tool_calls delta each
-    and a last delta with its finish_reason (and log-probs), the usage (stream_options.include_usage), [DONE]."""
-    kind = "chat.completion.chunk"
-
-    def __init__(self, reply_id: str, model: str, include_usage: bool):
-        self.id, self.model, self.usage, self.created = reply_id, model, include_usage, int(time.time())
-
-    def chunk(self, choices: list, **extra) -> bytes:
-        data = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices,
-                **({"usage": None} if self.usage else {}), **extra}
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
-
-    def start(self, n: int) -> list[bytes]:
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None} for i in range(n)])]
-
-    def text(self, i: int, delta: str) -> list[bytes]:
-        return [self.chunk([{"index": i, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}])]
-
-    def end(self, i: int, choice: dict, stop_text: str | None) -> list[bytes]:
-        calls = choice["message"].get("tool_calls") or []
-        out = [self.chunk([{"index": i, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},
-                            "logprobs": None, "finish_reason": None}])] if calls else []
-        return out + [self.chunk([{"index": i, "delta": {}, "logprobs": choice["logprobs"],
-                                   "finish_reason": choice["finish_reason"]}])]
-
-    def done(self, usage: dict) -> list[bytes]:
-        return ([self.chunk([], usage=usage)] if self.usage else []) + [b"data: [DONE]\n\n"]
-
-    def error(self, e: RequestError) -> list[bytes]:
-        return [b"data: " + json.dumps(e.body()).encode() + b"\n\n"]
-
-
-class CompletionChunks(ChatChunks):
-    """A streamed completion's events: text deltas, then per choice a last chunk with its finish_reason, stop_reason
-    and (when asked for) its log-probs and token ids."""
-    kind = "text_completion"
-
-    def start(self, n: int) -> list[bytes]:
-        return []
-
-    def text(self, i: int, delta: str) -> list[bytes]:
-        return [self.chunk([{"index": i, "text": delta, "logprobs": None, "finish_reason": None}])]
-
-    def end(self, i: int, choice: dict, stop_text: str | None) -> list[bytes]:
-        return [self.chunk([{**choice, "index": i, "text": ""}])]
 
 
 # -----------------------------------------------------------------------------
@@ -387,25 +250,25 @@ class Server:
             raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
                                     f"prompt has {prompt_len}", None, code="context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, key, min(room, self.default_max_tokens), 1, 1 << 30, integer=True)
+        max_tokens = number_field(body, key, min(room, self.default_max_tokens), 1, 1 << 30, integer=True)
         if max_tokens > room:
             raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                     f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                                     f"{max_tokens} in the completion)", key, code="context_length_exceeded")
-        top_k = _number(body, "top_k", 0, -1, self.vocab, integer=True)
+        top_k = number_field(body, "top_k", 0, -1, self.vocab, integer=True)
         extra = body.get("stop_token_ids") or []
         if not (isinstance(extra, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                 and 0 <= t < self.vocab for t in extra)):
             raise RequestError(400, f"stop_token_ids must be a list of token ids in [0, {self.vocab})",
                                "stop_token_ids")
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        top_p = number_field(body, "top_p", 1.0, 0.0, 1.0)
         if top_p <= 0:
             raise RequestError(400, "top_p must be in (0, 1]", "top_p")
-        return SamplingParams(n=_number(body, "n", 1, 1, self.max_n, integer=True),
-                              temperature=float(_number(body, "temperature", 1.0, 0.0, 100.0)),
+        return SamplingParams(n=number_field(body, "n", 1, 1, self.max_n, integer=True),
+                              temperature=float(number_field(body, "temperature", 1.0, 0.0, 100.0)),
                               top_p=float(top_p), top_k=max(top_k, 0), max_tokens=max_tokens,
                               stop_token_ids=tuple(dict.fromkeys([*stops.token_ids, *extra])),
-                              seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True))
+                              seed=number_field(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True))
 
     def check_model(self, body: dict):
         if body.get("model") != self.model_name and body.get("model") not in self.aliases:
@@ -421,7 +284,7 @@ class Server:
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not (isinstance(stop, list) and len(stop) <= 16 and all(isinstance(s, str) and s for s in stop)):
             raise RequestError(400, "stop must be a non-empty string or a list of at most 16 of them", "stop")
-        ids = [encode(self.tokenizer, _utf8(s, "stop")) for s in stop]
+        ids = [encode(self.tokenizer, valid_unicode(s, "stop")) for s in stop]
         return Stops(tuple(i[0] for i in ids if len(i) == 1), tuple(stop))
 
     def _options(self, body: dict) -> dict:
@@ -445,7 +308,7 @@ class Server:
                           enable_thinking=thinking)
         except (ValueError, KeyError, TypeError) as e:
             raise RequestError(400, f"messages cannot be rendered: {e}", "messages") from None
-        prompt = self.encode(_utf8(text, "messages"))
+        prompt = self.encode(valid_unicode(text, "messages"))
         stops = self.stops(body)
         params = self.sampling(body, len(prompt), replace(stops, token_ids=(*self.turn_ends, *stops.token_ids)))
         logprobs = body.get("logprobs") or False
@@ -468,7 +331,7 @@ class Server:
                     isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompts)):
             raise RequestError(400, "prompt must be a string, a non-empty list of token ids, or a list of either",
                                "prompt")
-        prompts = [encode(self.tokenizer, _utf8(p, "prompt")) if isinstance(p, str) else p for p in prompts]
+        prompts = [encode(self.tokenizer, valid_unicode(p, "prompt")) if isinstance(p, str) else p for p in prompts]
         if any(not p or min(p) < 0 or max(p) >= self.vocab for p in prompts):
             raise RequestError(400, f"prompt token ids must be in [0, {self.vocab}) (and a prompt not empty)", "prompt")
         logprobs = body.get("logprobs")
