@@ -58,7 +58,10 @@ library).
 import importlib.util
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -230,28 +233,36 @@ def _reward_like(result):
     return {"not a reward": repr(result)[:200]}
 
 
-def _agent_process(spec: str, timeout_s: float, workers: int, conn):
-    """The child's loop: the callable loaded from its file, each batch of episodes run as run_callables runs them
-    (a timeout is reported as it happens, so the trainer closes its session then), the outcomes sent back."""
+def agent_process_main(spec: str, timeout_s: float, workers: int, fd: int):
+    """The agents' process: the callable loaded from its file, each batch of episodes run as run_callables runs them
+    (a timeout reported as it happens, so the trainer closes its session then), the outcomes sent back over the
+    connection `fd`; it ends when the trainer says so or goes away."""
+    conn = multiprocessing.connection.Connection(fd)
     fn = load_agent(spec)
-    while (args := conn.recv()) is not None:
-        out = run_callables(fn, args, timeout_s, workers, on_timeout=lambda i: conn.send(("timeout", i)))
-        conn.send(("done", [replace(o, result=_reward_like(o.result)) for o in out]))
+    try:
+        while (args := conn.recv()) is not None:
+            out = run_callables(fn, args, timeout_s, workers, on_timeout=lambda i: conn.send(("timeout", i)))
+            conn.send(("done", [replace(o, result=_reward_like(o.result)) for o in out]))
+    except (EOFError, ConnectionError):                # the trainer is gone
+        pass
 
 
 class AgentProcess:
-    """The user's callable in a process of its own, spawned once per run: its episodes run there, a thread each,
+    """The user's callable in a process of its own, started once per run: its episodes run there, a thread each,
     so the agents' Python does not hold the trainer's GIL, which the engine thread and the server's event loop need.
     An OpenAI client spends ~3.5 ms of CPU per request (measured: the example agent's, against 0.3 ms for
     http.client), so in threads of the trainer's process 128 agents serialise with the engine; here they run on
-    another core. run(args, on_timeout) is run_callables' call."""
+    another core. run(args, on_timeout) is run_callables' call. A fresh interpreter (`python -c`, not a fork of the
+    trainer's threads, nor multiprocessing's spawn, which would import the trainer's own script again)."""
 
     def __init__(self, spec: str, timeout_s: float, workers: int = WORKERS):
-        context = multiprocessing.get_context("spawn")    # a fresh interpreter: not a fork of the trainer's threads
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_agent_process, args=(spec, timeout_s, workers, child), daemon=True,
-                                       name="external-agent")
-        self.process.start()
+        self.conn, theirs = multiprocessing.Pipe()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # where `wings` is imported from
+        code = (f"from wings.external_agent import agent_process_main; "
+                f"agent_process_main({spec!r}, {timeout_s!r}, {workers!r}, {theirs.fileno()})")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
 
     def run(self, args: list[tuple], on_timeout) -> list[Outcome]:
         self.conn.send(args)
@@ -262,11 +273,14 @@ class AgentProcess:
             on_timeout(value)
 
     def close(self):
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.conn.send(None)
-            self.process.join(timeout=10)
-            if self.process.is_alive():               # an agent thread that never returns keeps it up
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:           # an agent thread that never returns keeps it up
                 self.process.terminate()
+                self.process.wait(timeout=10)
+        self.conn.close()
 
 
 def grade(result, env: Env, task: Task, turns: int) -> tuple[float, list[float], dict] | None:

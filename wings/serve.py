@@ -10,10 +10,10 @@ https://docs.anthropic.com/en/api/messages):
   POST /v1/completions       prompts as text or token ids; token ids back (return_token_ids), as `vllm serve` does,
                              so engine_openai.OpenAIEngine is a client of this server
   POST /v1/messages          Anthropic's Messages API, translated into a chat request by serve_anthropic.py
-OpenAI's request fields are checked, and its stream chunks written, by serve_openai.py.
   GET  /v1/models            the one served model, with the version of its weights
   POST /v1/weights           a trainer's push (safetensors bytes), authenticated by a bearer token
   GET  /v1/sessions/ID       a session's records (authenticated; ?pop=1 also forgets them)
+OpenAI's request fields are checked, and its stream chunks written, by serve_openai.py.
 The three sampling endpoints stream with stream=true: server-sent events in the dialect's own format (OpenAI's
 chunks, tool calls as tool_call deltas, stream_options.include_usage; Anthropic's message events). A streamed call
 is recorded exactly as the same call unstreamed: the answer is built by the same code from the same samples, and
@@ -64,10 +64,10 @@ from rollout import Generation, SamplingParams, make_engine, row_seeds
 from runs import check_model_folder
 from tool_calls import TOOL_CALL_OPEN
 from wings import serve_anthropic
-from wings.serve_openai import REFUSED, ChatChunks, CompletionChunks, chat_messages, number_field, valid_unicode
 from wings.batcher import Job, Scheduler
 from wings.capture import Call, Capture, Sample, Slot
 from wings.serve_http import ClientGone, HTTPServer, Request, RequestError, Stream
+from wings.serve_openai import REFUSED, ChatChunks, CompletionChunks, chat_messages, number_field, valid_unicode
 
 TOKEN_ENV = "NANO_SKYRL_SERVE_TOKEN"      # the env var holding the bearer token of /v1/weights and /v1/sessions
 ALIASES = ("policy",)                     # model names every server also answers to: the name the training server
@@ -132,7 +132,7 @@ class PrefixEncoder:
     request; a request then encodes its new turns, and a session's first request its own turns after the system
     prompt and tool schemas its agent shares with every other session."""
 
-    def __init__(self, tokenizer, boundary: str, size: int = 4096, candidates: int = 4):
+    def __init__(self, tokenizer, boundary: str, size: int = 512, candidates: int = 4):
         self.tokenizer, self.boundary, self.id = tokenizer, boundary, tokenizer.token_to_id(boundary)
         self.size, self.candidates = size, candidates   # prefixes kept (least recently used dropped); ends tried
         self.cache: OrderedDict[str, list[int]] = OrderedDict()
