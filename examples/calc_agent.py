@@ -81,7 +81,7 @@ def run(task: dict, base_url: str, session: str) -> str:
         try:
             reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, user=session)
         except openai.BadRequestError as e:
-            if "context_length_exceeded" in str(e):    # the conversation outgrew the context window: no answer
+            if e.code == "context_length_exceeded":    # the conversation outgrew the context window: no answer
                 return ""
             raise
         message = reply.choices[0].message

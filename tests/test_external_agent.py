@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from agent import AgentConfig
+from chat import encode, render
 from conftest import need
 from config import load_config
 from env import Task, make_env, mix_seed
@@ -349,6 +350,30 @@ def test_the_example_agent_plays_through_the_server(tok):
         assert t.reward == 1.0 and t.num_turns == 2 and t.num_tool_calls == 2 and t.info["answer"] == t.task.answer
         text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
         assert f"<tool_response>\n{t.task.answer}\n</tool_response>" in text       # the calculator's result
+
+
+@pytest.mark.parametrize("name", ["calc_agent", "calc_agent_anthropic"])
+def test_the_example_agents_end_an_episode_that_outgrew_the_context_window(tok, name):
+    """The second request's prompt no longer fits rollout.agent.max_total_tokens: the server refuses it
+    (context_length_exceeded, OpenAI's code; Anthropic's message), the agent returns no answer, and the episode is
+    trained as played (one turn, reward 0), not failed."""
+    example()
+    need("anthropic", "the twin is written against the anthropic package")
+    env = make_env("toy_math")
+    task = [t for t in env.sample_tasks("train", 40, 0) if t.meta["kind"] == "binary"][0]
+    script = {task.prompt: ['<tool_call>\n{"name": "python_eval", "arguments": {"code": "%s"}}\n</tool_call>'
+                            % task.meta["expression"]]}
+    first = len(encode(tok, render(env.reset(task, 0)[1], env.tools(), add_generation_prompt=True)))
+    rollouts = rollouts_for(None, ScriptedEngine(tok, script), tok, {"toy_math": env},
+                            f"rollout.external_agent={os.path.dirname(EXAMPLE)}/{name}.py:run",
+                            f"rollout.agent.max_total_tokens={first + 40}", "rollout.max_tokens=40")
+    try:
+        (traj,), metrics = rollouts.play([task], SamplingParams(temperature=1.0, max_tokens=40), seed=0,
+                                         agent=AgentConfig(n_samples=1))
+    finally:
+        rollouts.shutdown()
+    assert metrics["rollout/external_errors"] == 0.0 and traj.finish_reason == "done"
+    assert traj.num_turns == 1 and traj.reward == 0.0 and traj.info["answer"] == ""
 
 
 def test_the_anthropic_twin_plays_the_same_episodes(tok):
