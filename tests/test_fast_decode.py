@@ -240,9 +240,13 @@ def test_inverse_cdf_draws_each_index_with_its_probability(monkeypatch):
     se = (probs * (1 - probs) / draws).sqrt()
     assert ((freq - probs).abs() <= 5 * se + 1e-9).all(), (freq, probs)
     assert (freq[probs == 0] == 0).all()
-    # u as close to 1 as a double gets, and a total that rounds past it: the last kept index, never the zero after it
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, 1, dtype=torch.float64))
-    assert inverse_cdf(torch.tensor([[0.25, 0.75, 0.0]])).tolist() == [1]
+    # the ends of u: the draw at the top of the range (rand = 0) is the last index with probability, never the zero
+    # after it; at the bottom (rand as close to 1 as it gets), the first with probability, never the zero before it
+    row = torch.tensor([[0.0, 0.25, 0.75, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, 1))
+    assert inverse_cdf(row).tolist() == [2]
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1, 1), 1 - 2 ** -24))
+    assert inverse_cdf(row).tolist() == [1]
 
 
 # -----------------------------------------------------------------------------
@@ -254,6 +258,8 @@ def test_config_checks():
         config.load_config(None, ["rollout.decode=fsat"])
     with pytest.raises(ValueError, match="rollout.engine=torch"):
         config.load_config(None, ["rollout.decode=fast", "rollout.engine=vllm"])
+    with pytest.raises(ValueError, match="learner.precision=bf16"):
+        config.load_config(None, ["rollout.decode=fast", "learner.precision=bf16"])
 
 
 def test_a_machine_without_a_compiler_is_refused_at_start_up(monkeypatch):

@@ -12,8 +12,8 @@ random number per vocabulary entry. FastDecodeEngine replaces that step (TorchEn
                                https://arxiv.org/abs/2402.05099); bifurcated attention (Athiwaratkun et al. 2024,
                                https://arxiv.org/abs/2403.08845).
   fewer launches per token     q/k/v in one matmul and gate/up in one (FusedWeights: concatenated copies of the
-                               model's weights, made again whenever a parameter changes, attention's 1 / sqrt(hd)
-                               folded into q's), RoPE's angles looked up in a table made once per call with
+                               model's weights, made again whenever a parameter changes), RoPE's angles looked up
+                               in a table made once per call with
                                rotate_half's signs folded in (x cos + roll(x) sin: three ops), the norms one call
                                each (F.rms_norm), no attention mask built per step, and each token drawn by the
                                inverse CDF from one uniform per row (inverse_cdf), the law of torch.multinomial.
@@ -49,10 +49,16 @@ DECODES = ("plain", "fast", "compiled")         # rollout.decode's values
 
 
 def check_config(cfg) -> list:
-    """config.WING_CHECKS' hook: rollout.decode needs the in-process torch engine, and compiled a compiler."""
+    """config.WING_CHECKS' hook: rollout.decode needs the torch engine, fp32 compute, and compiled a compiler."""
     if cfg.rollout.decode != "plain" and cfg.rollout.engine != "torch":
         raise ValueError(f"rollout.decode={cfg.rollout.decode!r} is the torch engine's decode step: set "
                          f"rollout.engine=torch (vLLM and servers have their own)")
+    if cfg.rollout.decode != "plain" and cfg.learner.precision == "bf16":
+        # the gate compares the engine with the learner, whose SDPA rounds inside in bf16 as the cascade's fp32 sums
+        # do not: on the default model the gap was 0.055-0.072 against the plain engine's 0.025-0.041 (limit 0.05)
+        raise ValueError("rollout.decode=fast/compiled with learner.precision=bf16: the weight-sync gate's gap "
+                         "grows past its 0.05 (the learner's bf16 attention rounds as the fast step's does not); "
+                         "use rollout.decode=plain, or learner.precision=fp32 (model.dtype=bfloat16 works)")
     if cfg.rollout.decode == "compiled":
         missing = compiler_missing(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         if missing:
@@ -80,8 +86,7 @@ def compiler_missing(device: torch.device) -> str | None:
 class FusedWeights(NamedTuple):
     """The model's weights as the decode step reads them: per layer (input norm, q/k/v (nh hd + 2 nkv hd, H) and its
     bias or None, o_proj's weight and bias or None, Qwen3's q and k norms or None, post-attention norm, gate/up
-    (2 I, H), down (H, I)). The concatenations are copies, with attention's 1 / sqrt(hd) folded into q's rows (into
-    q's norm for Qwen3); the rest are the parameters themselves."""
+    (2 I, H), down (H, I)). The concatenations are copies, the rest the parameters themselves."""
     embed: torch.Tensor         # (V, H)
     norm: torch.Tensor          # (H,) the final norm
     eps: float
@@ -97,14 +102,10 @@ def fuse(model: nn.Module) -> FusedWeights:
         for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             if type(proj) is not nn.Linear:
                 raise ValueError(f"rollout.decode=fast reads plain nn.Linear weights, not {type(proj).__name__}")
-        scale = a.hd ** -0.5
-        q_scale = 1.0 if hasattr(a, "q_norm") else scale
-        bias = (torch.cat([a.q_proj.bias * q_scale, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None
-                else None)
-        norms = (a.q_norm.weight * scale, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
-        layers.append((layer.input_layernorm.weight,
-                       torch.cat([a.q_proj.weight * q_scale, a.k_proj.weight, a.v_proj.weight]), bias,
-                       a.o_proj.weight, a.o_proj.bias, *norms, layer.post_attention_layernorm.weight,
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+        norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
+        layers.append((layer.input_layernorm.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                       bias, a.o_proj.weight, a.o_proj.bias, *norms, layer.post_attention_layernorm.weight,
                        torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
     return FusedWeights(model.model.embed_tokens.weight, model.model.norm.weight, model.cfg.rms_norm_eps, layers)
 
@@ -142,7 +143,7 @@ def decode_layer(x, cos, sin, w: tuple, pk, pv, pmask, own_k, own_v, own_mask, s
     rotate_half's signs), w the layer's FusedWeights entry, pk, pv, own_k, own_v, slot, at a layer's CascadeCache;
     writes each row's key and value at column t ((1,) long) of own_k, own_v and attends to the columns they span
     (own_mask: those past t, when they span all N) -> x (b, H). model.DecoderLayer's math on one position, with
-    fused projections and cascade attention."""
+    fused projections and cascade attention (under autocast, in the cache's dtype)."""
     ln1, wqkv, bqkv, wo, bo, qn, kn, ln2, wgu, wd = w
     b, H, hd = x.shape[0], x.shape[1], cos.shape[-1]
     qkv = F.linear(F.rms_norm(x, (H,), ln1, eps), wqkv, bqkv).view(b, nh + 2 * nkv, hd)   # (b, nh + 2 nkv, hd)
@@ -150,10 +151,11 @@ def decode_layer(x, cos, sin, w: tuple, pk, pv, pmask, own_k, own_v, own_mask, s
     if qn is not None:                                                           # Qwen3: per-head norms before RoPE
         qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), qn, eps), F.rms_norm(qk[:, nh:], (hd,), kn, eps)], 1)
     qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)                      # RoPE: x cos + rotate_half(x) sin
-    own_k.index_copy_(2, t, qk[:, nh:, None])                                    # this token's key and value
-    own_v.index_copy_(2, t, qkv[:, nh + nkv:, None])
-    q = qk[:, :nh].reshape(b, nkv, nh // nkv, hd)                                # (b, nkv, r, hd)
-    y = cascade_attention(q, pk, pv, pmask, own_k, own_v, own_mask, slot, at)    # (b, nkv, r, hd)
+    own_k.index_copy_(2, t, qk[:, nh:, None].to(own_k.dtype))                    # this token's key and value
+    own_v.index_copy_(2, t, qkv[:, nh + nkv:, None].to(own_v.dtype))
+    q = (qk[:, :nh].to(own_k.dtype) * hd ** -0.5).reshape(b, nkv, nh // nkv, hd)  # (b, nkv, r, hd) scaled
+    with torch.autocast(x.device.type, enabled=False):
+        y = cascade_attention(q, pk, pv, pmask, own_k, own_v, own_mask, slot, at)   # (b, nkv, r, hd)
     x = x + F.linear(y.reshape(b, nh * hd), wo, bo)
     gate, up = F.linear(F.rms_norm(x, (H,), ln2, eps), wgu).chunk(2, dim=-1)     # (b, I) each
     return x + F.linear(F.silu(gate) * up, wd)                                   # SwiGLU
@@ -161,14 +163,12 @@ def decode_layer(x, cos, sin, w: tuple, pk, pv, pmask, own_k, own_v, own_mask, s
 
 def inverse_cdf(probs, generator=None):
     """One index per row of probs (B, V), drawn with those probabilities from one uniform per row: the first index
-    whose cumulative probability passes u x the row's total (a zero-probability index is never the first). The law
-    of torch.multinomial(probs, 1), which draws an exponential per entry: at a 1k vocabulary that took as long as a
-    small model's whole decode step here."""
+    whose cumulative probability reaches u x the row's total, u in (0, 1] (so never an index of probability 0, nor
+    one past the last). The law of torch.multinomial(probs, 1), which draws an exponential per entry: at a 1k
+    vocabulary that took as long as a small model's whole decode step here."""
     cdf = probs.cumsum(-1)                                                     # (B, V)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)                   # (B,)
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)         # rounding at u ~ 1: the last kept
-    return torch.minimum(tok, last)
+    u = 1 - torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)  # (B, 1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)               # (B,)
 
 
 # -----------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class FastDecodeEngine(TorchEngine):
             for buf in own_k + own_v:           # the buffers it writes at fixed addresses
                 torch._dynamo.mark_static_address(buf)
         cos, sin = self.cos[positions], self.sin[positions]                  # (b, 1, hd)
-        mixed = self.model.compute_dtype        # learner.precision=bf16: as model.hidden_states runs it
+        mixed = self.model.compute_dtype        # bf16 autocast, as model.hidden_states runs it (check_config)
         # compiling: no "duck sizing", so two sizes that happen to be equal (64 rows, 64 new tokens) stay two symbols
         compiling = fx_config.patch(use_duck_shape=False) if self.layer is not decode_layer else nullcontext()
         with torch.autocast(tok.device.type, dtype=mixed) if mixed else nullcontext(), compiling:
