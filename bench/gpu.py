@@ -17,6 +17,14 @@ in bf16 (--dtype; fp32 by default with --tiny):
   engine decode           TorchEngine.generate tokens/s (rows x new tokens, temperature 1, no stop token), and
                           transformers' generate forced to the same tokens when it imports, interleaved A B A B;
                           on CUDA each side's peak memory above what was allocated before the call (KV cache etc.)
+  decode modes, floor     the same prompts with each rollout.decode (--decodes: plain, fast, compiled; compiled
+                          where Inductor has its compiler, its first call compiling untimed), interleaved: tokens/s,
+                          ms per decode step, and each against the decode's floor (bench/profile_step.py's
+                          sampling_floor: per step the weights and every row's keys and values read once at this
+                          device's read bandwidth, or its FLOPs at its matmul rate on the decode's shapes, whichever
+                          is longer); memory_bound_pct: the bandwidth floor over the time, the share of the memory
+                          bound a step reaches. A check (fails the run): the fast and compiled engines' log-probs of
+                          their own samples against the learner's, within rollout.default_sync_threshold(dtype)
   learner                 learner.train_step on rows x tokens (one mini-batch, one epoch, AdamW): tokens/s, MFU
                           and peak memory, with and without gradient checkpointing
   shared prefix, bf16     train_step on groups of 8 rows sharing a 3/4-row prompt, fp32 parameters: every row whole,
@@ -51,8 +59,12 @@ import torch  # noqa: E402
 
 from learner import LearnerConfig, TrainBatch, compute_logprobs, make_learner, train_step  # noqa: E402
 from model import ModelConfig, init_model, save_model, train_flops  # noqa: E402
-from rollout import SamplingParams, TorchEngine, default_sync_threshold, logprob_gap  # noqa: E402
+from rollout import SamplingParams, TorchEngine, default_sync_threshold, logprob_gap, make_engine  # noqa: E402
 from runs import GPU_PEAK_FLOPS, peak_flops, peak_memory_gib  # noqa: E402
+from wings.fast_decode import compiler_missing  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import gemm_shapes, read_bandwidth, sampling_floor, seconds_per_flop, timed  # noqa: E402
 
 # Qwen2.5-0.5B / 1.5B's config.json sizes (tied embeddings, q/k/v biases, rope_theta 1e6); the tiny ones stand in
 # for them on a CPU
@@ -183,6 +195,44 @@ def bench_decode(model, tmp: str, device, dtype, size: dict) -> dict:
     if transformers is not None:
         out["decode_engine_vs_transformers"] = out["decode_engine_tokens_per_s"] / out["decode_transformers_tokens_per_s"]
         del hf
+    return out
+
+
+def bench_decode_modes(model, device, dtype: str, size: dict, modes: list[str]) -> dict:
+    """rollout.decode's steps against each other and against the decode's floor (the module docstring)."""
+    prompts = random_prompts(size["gen_rows"], size["prompt_len"], model.cfg.vocab_size, 3)
+    N, tdtype = size["new_tokens"], getattr(torch, dtype)
+    modes = [m for m in modes if m != "compiled" or compiler_missing(device) is None]
+    engines = {m: make_engine("torch", "", pad_id=0, model=model, max_batch_size=len(prompts), decode=m)
+               for m in modes}
+    seconds, out = {m: [] for m in modes}, {}
+    for m, engine in list(engines.items()):                     # warm up (and compile); the gate's measure
+        try:
+            gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=N, seed=0))
+        except Exception as e:                                  # a compiler that fails here is reported, not fatal
+            out[f"decode_{m}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            del engines[m], seconds[m]
+            continue
+        gap = logprob_gap(model, prompts, gens, 1.0)
+        out[f"decode_{m}_gap"], out[f"decode_{m}_ok"] = gap, gap <= default_sync_threshold(dtype)
+    for r in range(size["repeats"]):
+        for m, engine in engines.items():
+            params = SamplingParams(temperature=1.0, max_tokens=N, seed=r + 1)
+            seconds[m].append(timed(lambda: engine.generate(prompts, params), device=device))
+    spf_prefill = seconds_per_flop(gemm_shapes(model.cfg, sum(map(len, prompts)), head=False), device=device,
+                                   dtype=tdtype, reps=5)
+    spf_decode = seconds_per_flop(gemm_shapes(model.cfg, len(prompts)), device=device, dtype=tdtype, reps=5)
+    bandwidth = read_bandwidth(device=device)
+    floor = sampling_floor(model.cfg, [len(p) for p in prompts], [N] * len(prompts), 1, spf_prefill, spf_decode,
+                           bandwidth, bytes_per=tdtype.itemsize)
+    out.update({"decode_floor_s": floor["floor"], "decode_memory_floor_s": floor["memory"],
+                "decode_compute_floor_s": floor["compute"], "read_gb_per_s": bandwidth / 1e9})
+    for m, ts in seconds.items():
+        sec = statistics.median(ts)
+        out.update({f"decode_{m}_tokens_per_s": len(prompts) * N / sec, f"decode_{m}_ms_per_step": 1e3 * sec / N,
+                    f"decode_{m}_x_plain": statistics.median(seconds["plain"]) / sec,
+                    f"decode_{m}_x_floor": sec / floor["floor"],
+                    f"decode_{m}_memory_bound_pct": 100 * floor["memory"] / sec})
     return out
 
 
@@ -331,6 +381,8 @@ def main(argv=None) -> dict:
                    "matmuls are emulated, and slow, on most CPUs; the bf16-vs-fp32 check runs either way)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak (default: table / measured)")
     p.add_argument("--skip-grpo", action="store_true", help="no train.main steps")
+    p.add_argument("--decodes", default=None, help="rollout.decode modes timed against each other and the floor "
+                   "(default: plain,fast,compiled; plain,fast with --tiny: compiling takes minutes on a CPU)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -338,6 +390,7 @@ def main(argv=None) -> dict:
     shapes = args.shapes or (["tiny-a", "tiny-b"] if tiny else ["0.5b", "1.5b"])
     size = SIZES["tiny" if tiny else "full"]
     args.dtype = args.dtype or ("float32" if tiny else "bfloat16")
+    decodes = (args.decodes or ("plain,fast" if tiny else "plain,fast,compiled")).split(",")
     dtype = getattr(torch, args.dtype)
     peak, peak_source = peak_flops_and_source(device, args.peak_tflops)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -352,6 +405,7 @@ def main(argv=None) -> dict:
             r["params_m"] = sum(t.numel() for t in model.parameters()) / 1e6
             r.update(check_engine_vs_learner(model, args.dtype, size))
             r.update(bench_decode(model.eval(), os.path.join(tmp, name), device, dtype, size))
+            r.update(bench_decode_modes(model, device, args.dtype, size, decodes))
             r.update(bench_learner(model, device, peak, size))
             r.update(bench_shared_and_bf16(cfg, device, size))
             r.update(bench_push(model, device, args.dtype))
@@ -359,6 +413,7 @@ def main(argv=None) -> dict:
             if i == 0 and not args.skip_grpo:
                 r.update(grpo_steps(cfg, tmp, args.dtype, size))
             failed += [f"{name}: {k}" for k in ("bf16_ok", "engine_learner_ok", "push_ok", "shared_ok") if not r[k]]
+            failed += [f"{name}: {k}" for k, v in r.items() if k.startswith("decode_") and k.endswith("_ok") and not v]
             results["shapes"][name] = r
             print(f"\n## {name} ({r['params_m']:.3g}M parameters)\n" + "\n".join(
                 f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in r.items()), flush=True)

@@ -42,8 +42,10 @@ token-budget micro-batches), `ours-plain` (learner.shared_prefix=false, learner.
 whole, micro_batch_size rows: the update as it was before both), `ours-bf16` (learner.precision=bf16), `trl`, and
 `trl-bf16` (GRPOConfig bf16=True: autocast on the CPU), `ours-keepmem` (ours with glibc's malloc tuned to keep
 freed memory, KEEP_FREED: blocks up to 32 MiB from the heap, never trimmed, so a step's activations reuse the last
-step's pages instead of mapping and freeing them). Ratios are printed for each pair present of: ours / trl,
-ours-bf16 / trl-bf16, ours-bf16 / ours, ours / ours-plain, ours-keepmem / ours.
+step's pages instead of mapping and freeing them), `ours-fast` (rollout.decode=fast: wings/fast_decode.py's decode
+step), `ours-compiled` (rollout.decode=compiled). Ratios are printed for each pair present of: ours / trl, ours-bf16
+/ trl-bf16, ours-bf16 / ours, ours / ours-plain, ours-keepmem / ours, ours-fast / trl, ours-fast / ours,
+ours-compiled / ours.
 
 Sizes: `default` (the embedded default model of configs/toy_math.yaml, built with sft.py on first use and cached in
 --cache-dir), `10m` (the same tokenizer and a Qwen2 shape with random N(0, 0.02) weights, bench/engine_vs_hf.py's
@@ -124,10 +126,12 @@ SIDES = {                       # side -> (worker, its train.py overrides or TRL
     "ours": ("ours", [], {}), "ours-bf16": ("ours", ["learner.precision=bf16"], {}),
     "ours-plain": ("ours", ["learner.shared_prefix=false", "learner.max_tokens_per_micro_batch=0"], {}),
     "ours-keepmem": ("ours", [], KEEP_FREED),      # glibc's malloc keeps freed blocks up to 32 MiB (no munmap/trim)
+    "ours-fast": ("ours", ["rollout.decode=fast"], {}),            # wings/fast_decode.py's decode step
+    "ours-compiled": ("ours", ["rollout.decode=compiled"], {}),    # ... under torch.compile
     "trl": ("trl", [], {}), "trl-bf16": ("trl", ["--bf16"], {}),
 }
 RATIOS = [("ours", "trl"), ("ours-bf16", "trl-bf16"), ("ours-bf16", "ours"), ("ours", "ours-plain"),
-          ("ours-keepmem", "ours")]
+          ("ours-keepmem", "ours"), ("ours-fast", "trl"), ("ours-fast", "ours"), ("ours-compiled", "ours")]
 N_TRL_PROMPTS = 512             # distinct train prompts written for TRL's dataset (it draws P per step)
 
 
