@@ -96,8 +96,9 @@ def test_each_episode_is_the_engines_own_sample_under_its_sessions_seed(tok, eng
         assert t.token_ids[t.prompt_len:] == direct.token_ids                 # the engine's ids, to the bit
         # the server batched the four episodes' requests: a matrix product of four rows rounds unlike one of one, so
         # the log-probs (those of the distribution sampled) agree with the lone call's to float rounding, not to the
-        # bit; a lone request is bit-equal (tests/test_serve_batching.py)
-        assert t.logprobs[t.prompt_len:] == pytest.approx(direct.logprobs, abs=1e-5)
+        # bit (up to ~1e-5 seen; the weight-sync gate allows 1e-3); a lone request is bit-equal
+        # (tests/test_serve_batching.py)
+        assert t.logprobs[t.prompt_len:] == pytest.approx(direct.logprobs, abs=1e-4)
         assert t.loss_mask == [0] * t.prompt_len + [1] * len(direct.token_ids)
     assert [t.token_ids for t in trajs] == [t.token_ids for t in again]       # whatever order the threads ran in
     assert len({tuple(t.token_ids) for t in trajs}) == 4                       # each episode its own seed
@@ -254,7 +255,7 @@ def test_a_branched_session_trains_as_one_row_per_request_each_the_engines_own(t
                 temperature=1.0, max_tokens=12, stop_token_ids=(im_end,),
                 seed=mix_seed(mix_seed(7, t.group, t.sample), k)))[0]
             assert row.token_ids[row.prompt_len:] == direct.token_ids and row.logprobs[row.prompt_len:] == \
-                pytest.approx(direct.logprobs, abs=1e-5)              # batched with the others: float rounding
+                pytest.approx(direct.logprobs, abs=1e-4)              # batched with the others: float rounding
             assert row.loss_mask == [0] * row.prompt_len + [1] * len(direct.token_ids)
     cfg = load_config(None, ["rollout.agent.n_samples=2"])
     batch = to_batch(trajs, pad_id=0)
