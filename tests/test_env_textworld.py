@@ -127,7 +127,7 @@ def test_the_same_seed_gives_the_same_game_in_another_process(tmp_path):
     """The claim that holds: the same game as played, from any process. Not the same bytes: TextWorld's generator
     iterates Python sets of names, whose order follows the process's string-hash seed, so game.json (every
     challenge) and game.z8 (cooking) differ between processes with different PYTHONHASHSEED."""
-    code = ("import sys, env_textworld as t; "
+    code = ("import sys; from envs import env_textworld as t; "
             "t.generate_game(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
     for challenge, level, seed in [("tw-cooking", 2, 7), ("tw-coin_collector", 3, 9)]:
         plays = []

@@ -272,8 +272,8 @@ def test_a_machine_without_a_compiler_is_refused_at_start_up(monkeypatch):
         make_engine("torch", "", pad_id=PAD, model=tiny_model(), decode="compiled")
     monkeypatch.undo()
     from torch._inductor import config as inductor
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-compiler-xyz"))
-    assert "C++ compiler" in fast_decode.compiler_missing(torch.device("cpu"))
+    with inductor.patch({"cpp.cxx": (None, "no-such-compiler-xyz")}):   # not monkeypatch: its undo would hide the
+        assert "C++ compiler" in fast_decode.compiler_missing(torch.device("cpu"))   # key for the rest of the session
 
 
 def test_adapters_are_refused():

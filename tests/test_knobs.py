@@ -144,6 +144,8 @@ KNOBS: dict[str, Knob] = {
     "rollout.max_batch_size": Knob("1", why="the engine's one generator is drawn batch by batch, so the "
                                    "samples depend on it (rollout.TorchEngine says so)"),
     "rollout.prefix_cache_tokens": Knob("4096"),
+    "rollout.decode": Knob("fast", why="wings/fast_decode.py draws each token by the inverse CDF from one uniform "
+                           "per row: other random numbers from the same law, so other samples"),
     "rollout.gpu_memory_utilization": Knob("0.3", (), INERT, "the vllm engine's share of a GPU: no GPU, no vllm here"),
     "rollout.sync_check_samples": Knob("0"),
     "rollout.sync_check_tokens": Knob("1", BF16_LORA),
@@ -183,7 +185,9 @@ KNOBS: dict[str, Knob] = {
     "rollout.agent.enable_thinking": Knob("false", ("rollout.agent.chat_format=qwen3",)),
     "rollout.agent.memory": Knob("window", (), CHANGES, "toy math's episodes fit the default memory_turns whole, "
                                  "so they train as full's; the segments are counted (rollout/segments)"),
-    "rollout.agent.memory_turns": Knob("1", ("rollout.agent.memory=window",)),
+    "rollout.agent.memory_turns": Knob("0", ("rollout.agent.memory=window",), why="a turn's prompt keeps no earlier "
+                                       "turn: toy math's second turn loses its first (FAST's episodes have two turns "
+                                       "at most, so a window of 1 would keep all of it)"),
     "rollout.agent.summary_every": Knob("1", ("rollout.agent.memory=summary",)),
     "rollout.agent.summary_tokens": Knob("8", ("rollout.agent.memory=summary", "rollout.agent.summary_every=1")),
     # --- algo
