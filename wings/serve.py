@@ -530,7 +530,8 @@ class Server:
     async def stream(self, request: Request, prep: Prepared, jobs: list[Job], slots: list[Slot],
                      queue: asyncio.Queue):
         """The events of a streamed answer: text as it becomes releasable, then the rest of the answer built exactly
-        as unstreamed; recorded after its last event was written. A client that leaves first is not recorded."""
+        as unstreamed; recorded just before its last event ([DONE], message_stop), and taken back if that event
+        cannot be written. A client that leaves first is not recorded."""
         reply_id, n = f"chatcmpl-{time.time_ns()}", prep.params.n
         fmt = (serve_anthropic.Events(reply_id, self.model_name, len(prep.prompts[0])) if prep.endpoint == "messages"
                else (ChatChunks if prep.chat else CompletionChunks)(reply_id, self.model_name, prep.include_usage))
@@ -566,15 +567,19 @@ class Server:
                 for event in (fmt.text(c, final[len(sent[c]):]) if len(final) > len(sent[c]) else []) + \
                         fmt.end(c, choice, stop_texts[c]):
                     yield event
+            for slot, call in zip(slots, calls):  # recorded before the last event: a client that reads its session
+                self.capture.record(slot, call)    # as soon as the stream ends finds the call there
+            outcome = "recorded"
             for event in fmt.done(reply["usage"]):
                 yield event
-            for slot, call in zip(slots, calls):
-                self.capture.record(slot, call)
             outcome = "done"
         finally:
             self.inflight.pop(request, None)
+            if outcome == "recorded":          # the client left during the last event: the call taken back
+                for slot in slots:
+                    self.capture.record(slot, None)
             if outcome != "done":
-                self.drop(jobs, slots, disconnected=outcome == "gone")
+                self.drop(jobs, slots, disconnected=outcome in ("gone", "recorded"))
 
     # -- the other endpoints ---------------------------------------------------------------------------------------
 
