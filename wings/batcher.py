@@ -47,8 +47,8 @@ from model import KVCache
 from rollout import Generation, SamplingParams, TorchEngine
 
 HOOKS = ("_prefill_layout", "_token_boundary", "_rows_done", "_store")   # TorchEngine's, overridden by its wings
-GATHER_S = 0.002          # an idle engine waits while requests keep arriving this often (Triton's max_queue_delay)
-GATHER_ROUNDS = 10        # ... for 10 such waits at most: a lone request starts within 2-20 ms
+GATHER_S = 0.005          # an idle engine waits while requests keep arriving this often (Triton's max_queue_delay)
+GATHER_ROUNDS = 10        # ... for 10 such waits at most: a lone request starts within 5-50 ms
 
 
 @dataclass(eq=False)
