@@ -260,10 +260,11 @@ class FastDecodeEngine(TorchEngine):
     """A TorchEngine whose decode step runs decode_layer over a CascadeCache (rollout.decode=fast), or decode_layer
     under torch.compile (decode=compiled: one compiled layer serves every layer; on a CPU with dynamic shapes, a
     compile for the first token and again the first time a size reaches 1, as when one group or one row is left:
-    dynamo specializes sizes 0 and 1; five compiles in tests/test_fast_decode.py's compiled test, ~40 s each on a
-    2-core CPU; on CUDA each row's own keys are read whole, masked past the token, so a call's shapes stay fixed for
-    the CUDA graphs). The fused weights are made again when the parameters change: at each batch's prefill (an
-    optimizer step on a model the learner shares, a push) and after partial rollouts swap weights mid-generation."""
+    dynamo specializes sizes 0 and 1; measured, ~40 s each on a 2-core CPU: five compiles for three prompts whose rows
+    stop at different steps, two when every row runs to max_tokens; on CUDA each row's own keys are read whole,
+    masked past the token, so a call's shapes stay fixed for the CUDA graphs). The fused weights are made again when
+    the parameters change: at each batch's prefill (an optimizer step on a model the learner shares, a push) and
+    after partial rollouts swap weights mid-generation."""
     draw = staticmethod(inverse_cdf)
 
     def __init__(self, model, decode: str = "fast", **kwargs):
