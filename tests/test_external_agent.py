@@ -353,6 +353,7 @@ def test_the_example_agent_plays_through_the_server(tok):
         assert f"<tool_response>\n{t.task.answer}\n</tool_response>" in text       # the calculator's result
 
 
+@pytest.mark.slow                     # an agent process per case: ~7 s each
 @pytest.mark.parametrize("name", ["calc_agent", "calc_agent_anthropic"])
 def test_the_example_agents_end_an_episode_that_outgrew_the_context_window(tok, name):
     """The second request's prompt no longer fits rollout.agent.max_total_tokens: the server refuses it
@@ -377,6 +378,7 @@ def test_the_example_agents_end_an_episode_that_outgrew_the_context_window(tok, 
     assert traj.num_turns == 1 and traj.reward == 0.0 and traj.info["answer"] == ""
 
 
+@pytest.mark.slow                     # two agent processes: ~12 s
 def test_the_anthropic_twin_plays_the_same_episodes(tok):
     """examples/calc_agent_anthropic.py (the anthropic package, the Messages API) against the same scripted engine:
     the same rewards and, token for token, the same trajectories as the OpenAI example's."""
