@@ -285,3 +285,17 @@ def test_sessions_expire_after_their_idle_time():
     now[0] = 30.0
     capture.reserve("newer")
     assert capture.calls("recent") == [] and capture.expired == 3     # "recent" and "new" (reserved, never filled)
+
+
+def test_an_abandoned_call_leaves_its_place_empty_even_once_filled():
+    """A stream is recorded just before its last event; when that event cannot be written, serve.py abandons the
+    call: its place is emptied again and the disconnect counted, so the session holds only the calls answered."""
+    capture = Capture()
+    call = Call("chat", [1, 2], [Sample([3], [-0.1], [], [0], "stop")])
+    capture.record(capture.reserve("s"), call)
+    filled = capture.reserve("s")
+    capture.record(filled, Call("chat", [1, 2, 3, 4], [Sample([5], [-0.2], [], [0], "stop")]))
+    capture.abandon(filled)
+    assert [c.prompt_ids for c in capture.calls("s")] == [[1, 2]] and capture.disconnected == 1
+    capture.abandon(capture.reserve("s"), disconnected=False)     # the engine failed: not counted as a disconnect
+    assert len(capture.calls("s")) == 1 and capture.disconnected == 1

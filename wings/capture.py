@@ -142,9 +142,12 @@ class Capture:
             return call
 
     def abandon(self, slot: Slot, disconnected: bool = True):
-        """The call will not be recorded: its client left (counted), or the engine failed."""
+        """The call is not kept: its client left (counted), or the engine failed. A place it filled already (a stream
+        whose last event could not be written) is emptied again."""
         with self.lock:
             self.disconnected += disconnected
+            if slot.session is not None and self.sessions.get(slot.session) is slot.entry:
+                slot.entry.calls[slot.index] = None
 
     def _expire(self, now: float):
         if now - self.swept < min(self.ttl_s, 60.0) / 4:

@@ -575,10 +575,7 @@ class Server:
             outcome = "done"
         finally:
             self.inflight.pop(request, None)
-            if outcome == "recorded":          # the client left during the last event: the call taken back
-                for slot in slots:
-                    self.capture.record(slot, None)
-            if outcome != "done":
+            if outcome != "done":              # "recorded": the client left during the last event, taken back here
                 self.drop(jobs, slots, disconnected=outcome in ("gone", "recorded"))
 
     # -- the other endpoints ---------------------------------------------------------------------------------------
