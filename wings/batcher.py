@@ -46,7 +46,8 @@ import algos
 from model import KVCache
 from rollout import Generation, SamplingParams, TorchEngine
 
-HOOKS = ("_prefill_layout", "_token_boundary", "_rows_done", "_store")   # TorchEngine's, overridden by its wings
+HOOKS = ("_prefill_layout", "_token_boundary", "_decode", "_rows_done", "_store", "draw")   # TorchEngine's, which
+                                                                                       # its wings override
 GATHER_S = 0.005          # an idle engine waits while requests keep arriving this often (Triton's max_queue_delay)
 GATHER_ROUNDS = 10        # ... for 10 such waits at most: a lone request starts within 5-50 ms
 
