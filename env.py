@@ -230,8 +230,8 @@ class Env:
         return None
 
     def state_line(self, state: EnvState) -> str | None:
-        """One line on where an episode stands, kept in a memory policy's compacted prompt (wings/memory.py); step()
-        puts it in info["state_line"]. None (the default): the env offers none, and its info has no such key."""
+        """A line (or a few) on where an episode stands, kept in a memory policy's compacted prompt (wings/memory.py);
+        step() puts it in info["state_line"]. None (the default): the env offers none, and its info has no such key."""
         return None
 
     def reset(self, task: Task, seed: int) -> tuple[EnvState, list[dict]]:

@@ -485,9 +485,12 @@ class TextWorldEnv(Env):
 
     def state_line(self, state: TWState) -> str:
         """For a memory policy's compacted prompt (rollout.agent.memory): the score and every command played so far,
-        what the last turns it keeps cannot show (how far along the goal's path the episode is)."""
+        what the last turns it keeps cannot show (how far along the goal's path the episode is), then the admissible
+        commands now, one per line: the observation runs them together, which a BPE trained on the games merges into
+        tokens that differ from room to room, so that a tiny model cannot read the exits off them (docs/memory.md)."""
         done = ", ".join(state.commands) or "none yet"
-        return f"Score: {state.score}/{state.max_score}. Commands played so far ({len(state.commands)}): {done}."
+        return (f"Score: {state.score}/{state.max_score}. Commands played so far ({len(state.commands)}): {done}.\n"
+                "Admissible now:\n" + "\n".join(state.admissible))
 
     def on_text(self, state: TWState, text: str) -> tuple[TWState, list[dict], float, bool, dict]:
         """A message without a tool call does nothing in the game: an invalid action, not an answer."""

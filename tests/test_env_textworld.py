@@ -228,6 +228,21 @@ def test_invalid_commands_are_not_sent_and_case_is_forgiven(tw, held):
     assert (state.invalid_actions, reward, done) == (1, 0.0, False) and "Use tw_act" in obs[0]["content"]
 
 
+def test_the_state_line_lists_the_commands_played_then_the_admissible_ones_line_by_line(tw, held):
+    """What a memory policy keeps of an episode (env.Env.state_line, docs/memory.md): the score and every command
+    played so far, then the admissible commands now, each alone on its line, where a BPE cannot merge them with their
+    neighbours (the observation runs them together)."""
+    task = held[0]
+    state, _ = tw.reset(task, seed=0)
+    first = task.meta["walkthrough"][0]
+    state, _, _, _, info = tw.step(state, act(first))
+    assert info["state_line"].split("\n") == [
+        f"Score: {state.score}/{state.max_score}. Commands played so far (1): {first}.", "Admissible now:",
+        *state.admissible]
+    assert tw.state_line(tw.reset(task, seed=0)[0]).startswith(
+        f"Score: 0/{task.meta['max_score']}. Commands played so far (0): none yet.\nAdmissible now:\n")
+
+
 def test_reward_is_paid_as_the_score_changes(tw, held, monkeypatch):
     """A game with max score 2 (the fake interpreter answers; the env's arithmetic is under test): +0.5 for the first
     point, +0.5 when won; the rewards sum to 1.0 and info reports success and score."""
