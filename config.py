@@ -67,8 +67,7 @@ class RolloutConfig:
                                      # wings/serve.py or a `vllm serve` that reloads weights_dir; docs/engines.md)
     base_url: str = "http://localhost:8000/v1"  # openai engine: the server (e.g. `vllm serve`), ending in /v1
     served_model: str = ""           # openai engine: the model name the server knows (default: model.path)
-    api_key_env: str = ""            # openai engine: the environment variable holding the server's bearer token (a
-                                     # variable, not the token: the config is saved with the run). "": no token
+    api_key_env: str = ""            # openai engine: the environment variable holding the server's token ("": none)
     weights_dir: str = ""            # openai engine through `vllm serve`: each push is written here and the server
                                      # reloads it. "": pushes go to the server's POST /v1/weights (wings/serve.py)
     prompts_per_step: int = 16       # tasks per RL step; each is sampled agent.n_samples times (the group)
@@ -150,10 +149,9 @@ ALGO_PRESETS: dict[str, dict] = {
 class SFTConfig:
     """The warm start of the embedded default model (only used when model.path == "default")."""
     max_steps: int = 600             # SFT optimizer steps at most
-    batch_size: int = 64             # demonstrations per step
+    batch_size: int = 64             # demonstrations per step (rows, under a memory policy: its segments)
     lr: float = 1e-3                 # AdamW learning rate (constant after a short warmup)
-    tool_use_prob: float = 0.5       # share of demonstrations that call python_eval before finish (the rest answer
-                                     # directly, a habit RL has to unlearn on hard problems)
+    tool_use_prob: float = 0.5       # share of demonstrations that call python_eval before finish (the rest answer)
     eval_every: int = 50             # check held-out accuracy this often ...
     eval_size: int = 64              # ... on this many held-out tasks, sampled at rollout.temperature
     target_accuracy: float = 0.25    # stop once sampled held-out accuracy reaches this (a minority solved)
@@ -165,6 +163,8 @@ class SFTConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 352
     seed: int | None = None          # seed of the tokenizer corpus, the init and the SFT data (None: the run's seed)
+    short_context_steps: int = 0     # the first steps train each row's last short_context_tokens only: attention
+    short_context_tokens: int = 64   # learns to read the last turn before a long prompt dilutes it (docs/memory.md)
 
 
 @dataclass

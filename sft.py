@@ -14,7 +14,9 @@ policy, in four steps, deterministic from `sft.seed`:
      stopped from the held-out curve, not after a fixed count: SFT accuracy jumps abruptly and the
      step at which it does varies by seed, so we check sampled held-out accuracy every `eval_every`
      steps and stop once it reaches `target_accuracy` (a minority of problems: RL needs groups with
-     mixed rewards, and room to improve).
+     mixed rewards, and room to improve). With `sft.short_context_steps`, the first steps train each row's
+     last `short_context_tokens` only: a warm-up for long prompts whose answer hangs on their last lines (a
+     memory policy's segments, docs/memory.md), where attention spread over the whole prompt learns too slowly.
 The result is a Hugging Face-layout folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with the chat template, generation_config.json) that transformers and vLLM load.
 It is cached under `model.cache_dir` by a hash of everything that determines it.
@@ -112,8 +114,10 @@ def tokenize_conversation(messages: list[dict], tools: list[dict], tokenizer: To
 def default_model_dir(cfg, sft) -> str:
     """Cache folder named by a hash of everything the build depends on (the SFT settings, the envs, the
     chat format and the sampling settings of the early-stopping evals)."""
-    r = cfg.rollout
-    key = json.dumps({"sft": dataclasses.asdict(sft), "envs": [dataclasses.asdict(e) for e in cfg.envs],
+    r, settings = cfg.rollout, dataclasses.asdict(sft)
+    if not sft.short_context_steps:           # off: the key a model had before the warm-up existed
+        del settings["short_context_steps"], settings["short_context_tokens"]
+    key = json.dumps({"sft": settings, "envs": [dataclasses.asdict(e) for e in cfg.envs],
                       "agent": dataclasses.asdict(r.agent),
                       "sampling": [r.temperature, r.top_p, r.max_tokens] + ([r.top_k] if r.top_k else []),
                       "version": 1}, sort_keys=True)
@@ -185,6 +189,8 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
             rng.shuffle(order)                                    # a new epoch
         start = (step - 1) * sft.batch_size % len(order)
         rows = [seqs[i] for i in order[start:start + sft.batch_size]]
+        if step <= sft.short_context_steps:                       # the short-context warm-up: each row's last tokens
+            rows = [(ids[-sft.short_context_tokens:], m[-sft.short_context_tokens:]) for ids, m in rows]
         input_ids = pad_right([ids for ids, _ in rows], pad_id, torch.long)               # (B, T)
         loss_mask = pad_right([m for _, m in rows], 0.0, torch.float)                      # (B, T)
         state, metrics = sft_step(state, input_ids, loss_mask, lcfg)

@@ -275,6 +275,8 @@ KNOBS: dict[str, Knob] = {
     "sft.num_kv_heads": Knob("2", SFT),
     "sft.intermediate_size": Knob("32", SFT),
     "sft.seed": Knob("5", SFT),
+    "sft.short_context_steps": Knob("2", SFT),
+    "sft.short_context_tokens": Knob("8", (*SFT, "sft.short_context_steps=2")),
     # --- ray
     "ray.address": Knob("127.0.0.1:6379", (), INERT, RAY_OFF + "; tests/test_launch.py joins a cluster by it"),
     "ray.placement_strategy": Knob("SPREAD", (), INERT, RAY_OFF + "; on one node every strategy places alike"),
