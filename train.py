@@ -387,7 +387,8 @@ def main(cfg: Config) -> dict:
                                 step, schedule.pending())
 
     # --- the end: final checkpoint, curves, summary
-    save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic, max(start, cfg.steps))
+    save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic, max(start, cfg.steps),
+                        schedule.pending())          # a resume from final/ keeps the partial-rollout swap record
     schedule.shutdown()
     logger.finish()
     summary = {"run_dir": run_dir}

@@ -449,6 +449,22 @@ def test_partial_rollouts_stay_within_the_bound_and_log_their_versions(tiny):
     assert checked > 100
 
 
+@pytest.mark.slow
+def test_a_run_resumed_from_its_final_checkpoint_keeps_its_swap_record(tiny):
+    """resume=auto on a finished run continues from final/ (runs.latest_checkpoint prefers it at equal steps); a run
+    replaying a record (rollout.partial_replay) rewrites its own record from that checkpoint's entries alone, so
+    final/ must carry them: without, a kill after final/ was written left an empty record (the intermittent failure
+    of tests/test_kill_resume.py[partial_replay], whose third kill can land there)."""
+    extra = [*ASYNC, "steps=2", "rollout.partial_rollouts=true", "algo.skip_uniform_batches=false"]
+    reference = main(tiny(*extra, "run_name=partial_ref"))["run_dir"]
+    cfg = tiny(*extra, "run_name=partial_final", f"rollout.partial_replay={reference}")  # as the kill test's runs
+    record = os.path.join(main(cfg)["run_dir"], "partial_swaps.jsonl")
+    before = open(record).read()
+    assert before == open(os.path.join(reference, "partial_swaps.jsonl")).read() and before.count("\n") >= 2
+    main(replace(cfg, resume="auto"))
+    assert open(record).read() == before
+
+
 def test_async_rollouts_need_an_off_policy_correction(tiny):
     with pytest.raises(ValueError, match="learner.off_policy.kind=tis"):
         tiny("rollout.async_rollouts=true")
