@@ -201,8 +201,7 @@ def compute_advantages(cfg: Config, batch: RolloutBatch, policy: LearnerState, c
         informative = True
     loss_ref = None if cfg.algo.kl_in_reward else ref                              # the KL is counted once
     return (TrainBatch(batch.input_ids, mask, adv, old, batch.logprobs, loss_ref, old_from_update=old is None,
-                       kept_sizes=set_sizes),
-            values, metrics, informative)
+                       kept_sizes=set_sizes), values, metrics, informative)
 
 
 def turn_credit(batch: RolloutBatch, rewards: torch.Tensor, G: int, gamma: float, baseline: str) -> torch.Tensor:
@@ -386,9 +385,9 @@ def main(cfg: Config) -> dict:
             save_run_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step}"), cfg, model_dir, policy, critic,
                                 step, schedule.pending())
 
-    # --- the end: final checkpoint, curves, summary
+    # --- the end: final checkpoint (with the queue: resumed from, it keeps the swap record), curves, summary
     save_run_checkpoint(os.path.join(run_dir, "final"), cfg, model_dir, policy, critic, max(start, cfg.steps),
-                        schedule.pending())          # a resume from final/ keeps the partial-rollout swap record
+                        schedule.pending())
     schedule.shutdown()
     logger.finish()
     summary = {"run_dir": run_dir}
