@@ -1,21 +1,25 @@
 """model.py: a pure-PyTorch decoder-only transformer that loads and saves Hugging Face checkpoints.
 
-One module covers the Qwen2 / Qwen2.5, Qwen3 and Llama-3 families; they differ only in three switches:
-q/k/v biases (Qwen2), a per-head RMSNorm on q and k (Qwen3), and Llama-3's rescaled RoPE frequencies.
-Parameter names are exactly Hugging Face's, so `*.safetensors` files load and save without renaming and
-vLLM or transformers can read what we write. Everything else is the textbook pre-norm decoder:
+One module covers the Qwen2 / Qwen2.5, Qwen3 and Llama-3 families; they differ only in three
+switches: q/k/v biases (Qwen2), a per-head RMSNorm on q and k (Qwen3), and Llama-3's rescaled RoPE
+frequencies. Parameter names are exactly Hugging Face's, so `*.safetensors` files load and save
+without renaming and vLLM or transformers can read what we write. Everything else is the textbook
+pre-norm decoder:
   x = x + Attention(RMSNorm(x));  x = x + SwiGLU(RMSNorm(x));  logits = lm_head(RMSNorm(x))
 
 References
   RMSNorm: Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467
-  RoPE:    Su et al. 2021, https://arxiv.org/abs/2104.09864 (HF "rotate_half" layout: pairs are (i, i + hd/2))
-  GQA:     Ainslie et al. 2023, https://arxiv.org/abs/2305.13245 (nkv < nh heads of keys/values, shared)
+  RoPE:    Su et al. 2021, https://arxiv.org/abs/2104.09864 (HF "rotate_half" layout: pairs are (i,
+  i + hd/2))
+  GQA:     Ainslie et al. 2023, https://arxiv.org/abs/2305.13245 (nkv < nh heads of keys/values,
+  shared)
   SwiGLU:  Shazeer 2020, https://arxiv.org/abs/2002.05202
 
 Shapes: B batch, T tokens (queries), Tk keys (cached + new), H hidden, V vocab,
         nh query heads, nkv key/value heads, hd head dim, I MLP width.
 Imports: none of our files (safetensors, torch, the standard library).
 """
+
 import json
 import math
 import os
@@ -29,35 +33,44 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 
 
 @dataclass
 class ModelConfig:
     """Mirrors the fields of a Hugging Face config.json that these three families use."""
-    model_type: str = "qwen2"             # "qwen2" | "qwen3" | "llama"
+
+    model_type: str = "qwen2"  # "qwen2" | "qwen3" | "llama"
     vocab_size: int = 512
     hidden_size: int = 128
-    intermediate_size: int = 352          # SwiGLU width I
+    intermediate_size: int = 352  # SwiGLU width I
     num_hidden_layers: int = 4
-    num_attention_heads: int = 4          # nh
-    num_key_value_heads: int = 2          # nkv (divides nh)
-    head_dim: int | None = None           # hd; None -> hidden_size // num_attention_heads
+    num_attention_heads: int = 4  # nh
+    num_key_value_heads: int = 2  # nkv (divides nh)
+    head_dim: int | None = None  # hd; None -> hidden_size // num_attention_heads
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False     # lm_head shares the embedding matrix
-    attention_bias: bool | None = None    # q/k/v (and for llama/qwen3 also o) biases; None -> family default
-    qk_norm: bool | None = None           # per-head RMSNorm on q and k; None -> True for qwen3
-    rope_scaling: dict | None = None      # llama3: {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                                          #          "original_max_position_embeddings"}
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    # q/k/v (and for llama/qwen3 also o) biases; None -> family default
+    attention_bias: bool | None = None
+    qk_norm: bool | None = None  # per-head RMSNorm on q and k; None -> True for qwen3
+    # llama3: {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}
+    rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"model_type {self.model_type!r} not supported; expected one of {list(ARCHITECTURES)}")
+            raise ValueError(
+                f"model_type {self.model_type!r} not supported; expected one of {list(ARCHITECTURES)}"
+            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_bias is None:
@@ -68,15 +81,23 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         """Read a config.json dict; unknown keys are ignored, unsupported features raise."""
-        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias") or d.get("use_sliding_window"):
-            raise NotImplementedError("only SiLU MLPs without bias and full attention are supported")
-        # transformers >= 5 writes rope settings under "rope_parameters"; older files use rope_theta/rope_scaling
+        if (
+            d.get("hidden_act", "silu") != "silu"
+            or d.get("mlp_bias")
+            or d.get("use_sliding_window")
+        ):
+            raise NotImplementedError(
+                "only SiLU MLPs without bias and full attention are supported"
+            )
+        # transformers >= 5 writes rope settings under "rope_parameters"; older files use
+        # rope_theta/rope_scaling
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise NotImplementedError(f"rope_type {rope_type!r} not supported")
-        theta = rope.pop("rope_theta", 10000.0)  # transformers 5 keeps theta inside rope_parameters,
-        theta = d.get("rope_theta", theta)        # older files at the top level
+        # transformers 5 keeps theta inside rope_parameters,
+        theta = rope.pop("rope_theta", 10000.0)
+        theta = d.get("rope_theta", theta)  # older files at the top level
         known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
         kwargs = {k: v for k, v in d.items() if k in known}
         scaling = {"rope_type": "llama3", **rope} if rope_type == "llama3" else None
@@ -84,15 +105,21 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """A config.json dict that transformers (4.x and 5.x) and vLLM read as the same model."""
-        # Hugging Face ties these flags to the architecture; refuse to write a file that loads differently.
-        if (self.model_type == "qwen2" and not self.attention_bias) or self.qk_norm != (self.model_type == "qwen3"):
-            raise ValueError(f"attention_bias={self.attention_bias}, qk_norm={self.qk_norm} has no "
-                             f"Hugging Face {self.model_type} equivalent")
+        # Hugging Face ties these flags to the architecture; refuse to write a file that loads
+        # differently.
+        if (self.model_type == "qwen2" and not self.attention_bias) or self.qk_norm != (
+            self.model_type == "qwen3"
+        ):
+            raise ValueError(
+                f"attention_bias={self.attention_bias}, qk_norm={self.qk_norm} has no "
+                f"Hugging Face {self.model_type} equivalent"
+            )
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "qk_norm"}
         return {"architectures": [ARCHITECTURES[self.model_type]], **d, "hidden_act": "silu"}
 
 
 # ----------------------------------------------------------------------------- building blocks
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -101,21 +128,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32 (bf16 squares overflow/underflow; fp64 stays fp64), cast back, then scale: HF's order
+        # normalise in fp32 (bf16 squares overflow/underflow; fp64 stays fp64), cast back, then
+        # scale: HF's order
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotation speeds theta^(-2i/hd), i < hd/2, with Llama-3's long-context rescaling if configured."""
+    """Rotation speeds theta^(-2i/hd), i < hd/2, with Llama-3's long-context rescaling if
+    configured."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device="cpu") / hd))  # (hd/2,)
+    # (hd/2,)
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device="cpu") / hd)
+    )
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
-    # Llama 3.1: slow (long-wavelength) components are divided by `factor`, fast ones kept, the band between
-    # interpolated smoothly (same formula as transformers' _compute_llama3_parameters).
+    # Llama 3.1: slow (long-wavelength) components are divided by `factor`, fast ones kept, the band
+    # between interpolated smoothly (same formula as transformers' _compute_llama3_parameters).
     old_len = s["original_max_position_embeddings"]
     low, high, factor = s["low_freq_factor"], s["high_freq_factor"], s["factor"]
     wavelen = 2 * math.pi / inv_freq
@@ -143,29 +175,39 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
-        # Qwen2 never has an output bias; Llama and Qwen3 put one on o_proj too when attention_bias is set
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size,
-                                bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        # Qwen2 never has an output bias; Llama and Qwen3 put one on o_proj too when attention_bias
+        # is set
+        self.o_proj = nn.Linear(
+            self.nh * self.hd,
+            cfg.hidden_size,
+            bias=cfg.attention_bias and cfg.model_type != "qwen2",
+        )
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's hd features, before RoPE
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, kv_cache=None, layer_idx=0):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)   # (B, T, nh, hd)
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)  # (B, T, nh, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd)  # (B, T, nkv, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd)  # (B, T, nkv, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)       # (B, nh, T, hd)
-        k = apply_rope(k.transpose(1, 2), cos, sin)       # (B, nkv, T, hd)
-        v = v.transpose(1, 2)                             # (B, nkv, T, hd)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
+        v = v.transpose(1, 2)  # (B, nkv, T, hd)
         if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)       # (B, nkv, Tk, hd)
-        # mask None means "no padding": plain causal when several queries start at key 0, and a single
-        # decode query sees every cached key anyway
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=self.nkv != self.nh)  # (B, nh, T, hd)
+            k, v = kv_cache.update(layer_idx, k, v)  # (B, nkv, Tk, hd)
+        # mask None means "no padding": plain causal when several queries start at key 0, and a
+        # single decode query sees every cached key anyway
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
+            enable_gqa=self.nkv != self.nh,
+        )  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -177,7 +219,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (B, T, I) inside
+        # SwiGLU, (B, T, I) inside
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -196,61 +239,80 @@ class DecoderLayer(nn.Module):
 class KVCache:
     """Preallocated keys/values for incremental decoding: one (B, nkv, max_len, hd) pair per layer.
 
-    `pos` counts the positions filled. A forward pass with T new tokens writes them at [pos, pos + T) in every
-    layer and then advances pos by T (the Transformer does the advance, after the last layer).
+    `pos` counts the positions filled. A forward pass with T new tokens writes them at [pos, pos +
+    T) in every layer and then advances pos by T (the Transformer does the advance, after the last
+    layer).
     """
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu"):
+    def __init__(
+        self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu"
+    ):
         shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
         self.max_len = max_len
         self.pos = 0
 
     def update(self, layer_idx, k, v):
-        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far, (B, nkv, pos + T, hd)."""
+        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far, (B, nkv, pos
+        + T, hd)."""
         end = self.pos + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KVCache overflow: {end} positions > max_len {self.max_len}")
-        self.k[layer_idx][:, :, self.pos:end] = k
-        self.v[layer_idx][:, :, self.pos:end] = v
+        self.k[layer_idx][:, :, self.pos : end] = k
+        self.v[layer_idx][:, :, self.pos : end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
     def keep_rows(self, rows):
-        """Keep batch rows `rows` (B',) long, in that order, repeats allowed: a sampler drops finished rows, or
-        copies one prompt's prefill into its n samples."""
+        """Keep batch rows `rows` (B',) long, in that order, repeats allowed: a sampler drops
+        finished rows, or copies one prompt's prefill into its n samples."""
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]
 
 
 class SharedPrefix(NamedTuple):
-    """Which rows of a batch continue a prefix computed once (token_logprobs' `shared`; microbatch._layout
-    builds it). Prefix g is input_ids[lead[g], :lens[g]]; row b continues prefix group[b] from position
-    lens[group[b]] on, for `cont` positions at most (what the rows' scored tokens need)."""
-    lead: torch.Tensor      # (n,) long, the row whose first lens[g] tokens are prefix g
-    lens: torch.Tensor      # (n,) long, each prefix's length (>= 1)
-    group: torch.Tensor     # (B,) long, the prefix each row continues
-    cont: int               # positions after its prefix a row is run for (the longest any row needs; may be 0)
+    """Which rows of a batch continue a prefix computed once (token_logprobs' `shared`;
+    microbatch._layout builds it). Prefix g is input_ids[lead[g], :lens[g]]; row b continues prefix
+    group[b] from position lens[group[b]] on, for `cont` positions at most (what the rows' scored
+    tokens need)."""
+
+    lead: torch.Tensor  # (n,) long, the row whose first lens[g] tokens are prefix g
+    lens: torch.Tensor  # (n,) long, each prefix's length (>= 1)
+    group: torch.Tensor  # (B,) long, the prefix each row continues
+    cont: int  # positions after its prefix a row is run for (the longest any row needs; may be 0)
 
 
 class PrefixKV:
-    """The kv_cache of shared-prefix scoring (Prefix Grouper, Liu et al. 2025, https://arxiv.org/abs/2506.05433):
-    the keys and values of prefixes run once, read by every row that continues one. Unlike KVCache it writes
-    nothing in place, so autograd flows through it: the gradient into a prefix's keys and values is the sum over
-    the rows that read it, the same sum that G separate copies of the prefix would produce.
-      a forward with rows None (the prefixes, (n, P)) stores each layer's k, v (n, nkv, P, hd) and attends as usual;
-      continued(rows) gives the cache of a forward over continuations (B, S), each row attending to its prefix's
-      keys and then its own: keys (B, nkv, P + S, hd)."""
+    """The kv_cache of shared-prefix scoring (Prefix Grouper, Liu et al. 2025,
+    https://arxiv.org/abs/2506.05433): the keys and values of prefixes run once, read by every row
+    that continues one. Unlike KVCache it writes nothing in place, so autograd flows through it: the
+    gradient into a prefix's keys and values is the sum over the rows that read it, the same sum
+    that G separate copies of the prefix would produce.
+      a forward with rows None (the prefixes, (n, P)) stores each layer's k, v (n, nkv, P, hd) and
+      attends as usual; continued(rows) gives the cache of a forward over continuations (B, S), each
+      row attending to its prefix's keys and then its own: keys (B, nkv, P + S, hd)."""
 
-    def __init__(self, rows: torch.Tensor | None = None, k: dict | None = None, v: dict | None = None, pos: int = 0):
+    def __init__(
+        self,
+        rows: torch.Tensor | None = None,
+        k: dict | None = None,
+        v: dict | None = None,
+        pos: int = 0,
+    ):
         self.rows, self.k, self.v, self.pos = rows, dict(k or {}), dict(v or {}), pos
 
     def update(self, layer_idx, k, v):
-        if self.rows is None:            # the prefixes' own forward (again, identically, under recomputation)
+        if self.rows is None:  # the prefixes' own forward (again, identically, under recomputation)
             self.k[layer_idx], self.v[layer_idx] = k, v
             return k, v
-        return (torch.cat([self.k[layer_idx][self.rows], k], dim=2),              # (B, nkv, P + S, hd)
-                torch.cat([self.v[layer_idx][self.rows], v], dim=2))
+        return (
+            torch.cat([self.k[layer_idx][self.rows], k], dim=2),  # (B, nkv, P + S, hd)
+            torch.cat([self.v[layer_idx][self.rows], v], dim=2),
+        )
 
     def continued(self, rows: torch.Tensor) -> "PrefixKV":
         """The cache of the continuations' forward: row b reads prefix rows[b]."""
@@ -260,15 +322,16 @@ class PrefixKV:
 def attention_mask(T: int, past: int, key_padding_mask, device):
     """Boolean (B, 1, T, Tk) mask, True = may attend; None when plain causal attention is exact.
 
-    Query t sits at absolute slot past + t and sees keys [0, past + t] that are real tokens. It always sees
-    itself, so a left-pad query (no real key before it) still gets a finite softmax instead of NaN.
+    Query t sits at absolute slot past + t and sees keys [0, past + t] that are real tokens. It
+    always sees itself, so a left-pad query (no real key before it) still gets a finite softmax
+    instead of NaN.
     """
     Tk = past + T
     if key_padding_mask is None and (past == 0 or T == 1):
         return None
     q_slot = torch.arange(past, Tk, device=device)[:, None]  # (T, 1)
-    k_slot = torch.arange(Tk, device=device)[None, :]        # (1, Tk)
-    mask = (k_slot <= q_slot)[None, None]                    # (1, 1, T, Tk) causal
+    k_slot = torch.arange(Tk, device=device)[None, :]  # (1, Tk)
+    mask = (k_slot <= q_slot)[None, None]  # (1, 1, T, Tk) causal
     if key_padding_mask is not None:
         mask = (mask & key_padding_mask[:, None, None, :Tk]) | (k_slot == q_slot)  # (B, 1, T, Tk)
     return mask
@@ -276,22 +339,28 @@ def attention_mask(T: int, past: int, key_padding_mask, device):
 
 # ----------------------------------------------------------------------------- the model
 
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = nn.ModuleDict(dict(  # the "model." prefix of Hugging Face's parameter names
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
-            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
-        ))
+        self.model = nn.ModuleDict(
+            dict(  # the "model." prefix of Hugging Face's parameter names
+                embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+                layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+                norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            )
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        # A plain fp32 attribute, not a buffer: model.to(bfloat16) would round a buffer and shift the angles.
+        # A plain fp32 attribute, not a buffer: model.to(bfloat16) would round a buffer and shift
+        # the angles.
         self.inv_freq = rope_inv_freq(cfg)  # (hd/2,)
-        self.gradient_checkpointing = False  # recompute each decoder layer during backward (saves activations)
-        self.compute_dtype = None  # bf16: the decoder layers' matmuls and attention run under torch.autocast in it
-                                   # (the learner's precision); None: in the parameters' dtype
+        # recompute each decoder layer during backward (saves activations)
+        self.gradient_checkpointing = False
+        # bf16: the decoder layers' matmuls and attention run under torch.autocast in it (the
+        # learner's precision); None: in the parameters' dtype
+        self.compute_dtype = None
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
@@ -300,22 +369,27 @@ class Transformer(nn.Module):
     def hidden_states(self, input_ids, position_ids=None, key_padding_mask=None, kv_cache=None):
         """input_ids (B, T) -> final-normed hidden states (B, T, H).
 
-        position_ids (B, T) default to past + arange(T); key_padding_mask (B, >= past + T), True = real token,
-        is needed only with left padding. With kv_cache, the new keys/values are appended and cache.pos advances.
+        position_ids (B, T) default to past + arange(T); key_padding_mask (B, >= past + T), True =
+        real token, is needed only with left padding. With kv_cache, the new keys/values are
+        appended and cache.pos advances.
         """
         B, T = input_ids.shape
         past = kv_cache.pos if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
         freqs = position_ids[..., None].float() * self.inv_freq.to(input_ids.device)  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                                        # (B, T, hd)
-        x = self.model.embed_tokens(input_ids)                                         # (B, T, H)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+        x = self.model.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         mask = attention_mask(T, past, key_padding_mask, input_ids.device)
-        # mixed precision: linear layers and attention in compute_dtype, the residual stream, norms, softmax's
-        # statistics and the head (outside this) in fp32, as torch.autocast lays out (Micikevicius et al. 2018,
-        # https://arxiv.org/abs/1710.03740)
-        mixed = torch.autocast(x.device.type, dtype=self.compute_dtype) if self.compute_dtype else nullcontext()
+        # mixed precision: linear layers and attention in compute_dtype, the residual stream, norms,
+        # softmax's statistics and the head (outside this) in fp32, as torch.autocast lays out
+        # (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740)
+        mixed = (
+            torch.autocast(x.device.type, dtype=self.compute_dtype)
+            if self.compute_dtype
+            else nullcontext()
+        )
         with mixed:
             for i, layer in enumerate(self.model.layers):
                 if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -331,89 +405,132 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, position_ids, key_padding_mask, kv_cache))
 
     def shared_hidden_states(self, input_ids, shared: SharedPrefix):
-        """hidden_states of rows that continue shared prefixes, each prefix run once and each row's continuation
-        attending to it through PrefixKV, at the positions it has in its row -> (h (n x P + B x S, H): the prefixes'
-        states, then the continuations'; where (B, T) long: the row of h that holds each position's state). Row b's
-        position t reads prefix group[b]'s state t while t < lens[group[b]], then its continuation's. Positions a
-        row is not run for (past cont) point at some other state: the caller scores none of them."""
+        """hidden_states of rows that continue shared prefixes, each prefix run once and each row's
+        continuation attending to it through PrefixKV, at the positions it has in its row -> (h (n x
+        P + B x S, H): the prefixes' states, then the continuations'; where (B, T) long: the row of
+        h that holds each position's state). Row b's position t reads prefix group[b]'s state t
+        while t < lens[group[b]], then its continuation's. Positions a row is not run for (past
+        cont) point at some other state: the caller scores none of them."""
         B, T = input_ids.shape
         dev = input_ids.device
-        lens, group = shared.lens.to(dev), shared.group.to(dev)                     # (n,), (B,)
+        lens, group = shared.lens.to(dev), shared.group.to(dev)  # (n,), (B,)
         n, P, S = len(lens), int(lens.max()), shared.cont
         kv = PrefixKV()
-        h = [self.hidden_states(input_ids[shared.lead.to(dev), :P], kv_cache=kv).reshape(n * P, -1)]  # (n P, H)
-        start = lens[group]                                                          # (B,) each continuation's start
+        # (n P, H)
+        h = [self.hidden_states(input_ids[shared.lead.to(dev), :P], kv_cache=kv).reshape(n * P, -1)]
+        start = lens[group]  # (B,) each continuation's start
         if S > 0:
-            pos = start[:, None] + torch.arange(S, device=dev)                       # (B, S) positions in the row
-            ids = input_ids.gather(1, pos.clamp(max=T - 1))                           # (B, S) past T: never scored
-            real = torch.cat([torch.arange(P, device=dev)[None] < start[:, None],     # its own prefix's keys only
-                              torch.ones(B, S, dtype=torch.bool, device=dev)], dim=1)  # (B, P + S)
-            h.append(self.hidden_states(ids, pos, real, kv.continued(group)).reshape(B * S, -1))  # (B S, H)
-        t = torch.arange(T, device=dev)[None]                                        # (1, T)
-        where = torch.where(t < start[:, None], group[:, None] * P + t.clamp(max=P - 1),
-                            n * P + torch.arange(B, device=dev)[:, None] * S + (t - start[:, None]).clamp(min=0))
-        return torch.cat(h), where.clamp(max=n * P + B * S - 1)                      # (N, H), (B, T)
+            pos = start[:, None] + torch.arange(S, device=dev)  # (B, S) positions in the row
+            ids = input_ids.gather(1, pos.clamp(max=T - 1))  # (B, S) past T: never scored
+            # its own prefix's keys only
+            real = torch.cat(
+                [
+                    torch.arange(P, device=dev)[None] < start[:, None],
+                    torch.ones(B, S, dtype=torch.bool, device=dev),
+                ],
+                dim=1,
+            )  # (B, P + S)
+            # (B S, H)
+            h.append(self.hidden_states(ids, pos, real, kv.continued(group)).reshape(B * S, -1))
+        t = torch.arange(T, device=dev)[None]  # (1, T)
+        where = torch.where(
+            t < start[:, None],
+            group[:, None] * P + t.clamp(max=P - 1),
+            n * P + torch.arange(B, device=dev)[:, None] * S + (t - start[:, None]).clamp(min=0),
+        )
+        return torch.cat(h), where.clamp(max=n * P + B * S - 1)  # (N, H), (B, T)
 
-    def token_logprobs(self, input_ids, temperature=1.0, chunk_size=256, return_entropy=False, mask=None,
-                       entropy_grad=True, score=None, score_args=None, shared: SharedPrefix | None = None):
-        """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] / temperature)
-        [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token). entropy[:, t] is the entropy of that
-        same distribution (0 at t = 0).
+    def token_logprobs(
+        self,
+        input_ids,
+        temperature=1.0,
+        chunk_size=256,
+        return_entropy=False,
+        mask=None,
+        entropy_grad=True,
+        score=None,
+        score_args=None,
+        shared: SharedPrefix | None = None,
+    ):
+        """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] /
+        temperature) [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token).
+        entropy[:, t] is the entropy of that same distribution (0 at t = 0).
 
-        mask (B, T), optional: score only the tokens t where mask[:, t] is 1 (the loss mask: what the update
-        reads); every other entry of logp and entropy is 0 and costs nothing past the decoder. The chosen hidden
-        states are gathered into one (N, H) list, and the lm_head and log-softmax run over it chunk_size tokens at
-        a time in fp32, each chunk under activation checkpointing, so the (tokens, V) fp32 logits are at most
-        (chunk_size, V), in forward and backward, whatever B x T is. entropy_grad=False computes the entropy as a
-        metric only (no autograd through the full-vocabulary entropy: the learner's default, entropy_coef = 0).
+        mask (B, T), optional: score only the tokens t where mask[:, t] is 1 (the loss mask: what
+        the update reads); every other entry of logp and entropy is 0 and costs nothing past the
+        decoder. The chosen hidden states are gathered into one (N, H) list, and the lm_head and
+        log-softmax run over it chunk_size tokens at a time in fp32, each chunk under activation
+        checkpointing, so the (tokens, V) fp32 logits are at most (chunk_size, V), in forward and
+        backward, whatever B x T is. entropy_grad=False computes the entropy as a metric only (no
+        autograd through the full-vocabulary entropy: the learner's default, entropy_coef = 0).
 
-        score, score_args (B, T), optional: another score of each chosen token, score(z, targets, args) -> (C,) with
-        z = logits / temperature (C, V) fp32 and the chunk's targets and score_args entries (C,), in place of
-        log softmax(z)[target]. The learner scores a top-k / top-p sample under the truncated distribution it was
-        drawn from this way (learner.truncated_score). The entropy stays that of softmax(z).
+        score, score_args (B, T), optional: another score of each chosen token, score(z, targets,
+        args) -> (C,) with z = logits / temperature (C, V) fp32 and the chunk's targets and
+        score_args entries (C,), in place of log softmax(z)[target]. The learner scores a top-k /
+        top-p sample under the truncated distribution it was drawn from this way
+        (learner.truncated_score). The entropy stays that of softmax(z).
 
-        shared, optional: rows that share their first tokens run them once (shared_hidden_states); the scores are
-        those of the plain forward up to float rounding, and so are the gradients (see PrefixKV).
+        shared, optional: rows that share their first tokens run them once (shared_hidden_states);
+        the scores are those of the plain forward up to float rounding, and so are the gradients
+        (see PrefixKV).
         """
         B, T = input_ids.shape
-        keep = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if mask is None else mask[:, 1:].bool()
-        rows, cols = keep.nonzero(as_tuple=True)                        # (N,) x2, row-major
-        targets = input_ids[:, 1:][rows, cols]                          # (N,) position t-1 predicts token t
+        keep = (
+            torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device)
+            if mask is None
+            else mask[:, 1:].bool()
+        )
+        rows, cols = keep.nonzero(as_tuple=True)  # (N,) x2, row-major
+        targets = input_ids[:, 1:][rows, cols]  # (N,) position t-1 predicts token t
         if shared is None:
-            h = self.hidden_states(input_ids)                           # (B, T, H)
-            h_sel = h[rows, cols]                                       # (N, H)
+            h = self.hidden_states(input_ids)  # (B, T, H)
+            h_sel = h[rows, cols]  # (N, H)
         else:
-            h, where = self.shared_hidden_states(input_ids, shared)     # (n P + B S, H), (B, T)
-            h_sel = h[where[rows, cols]]                                # (N, H)
-        args = score_args[:, 1:][rows, cols] if score is not None else targets   # (N,)
+            h, where = self.shared_hidden_states(input_ids, shared)  # (n P + B S, H), (B, T)
+            h_sel = h[where[rows, cols]]  # (N, H)
+        args = score_args[:, 1:][rows, cols] if score is not None else targets  # (N,)
 
         def chunk_logprobs(h_c, tgt_c, args_c):
-            logits = self.lm_head(h_c)                                  # (C, V) fp32 (fp64 stays fp64)
+            logits = self.lm_head(h_c)  # (C, V) fp32 (fp64 stays fp64)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            if temperature != 1.0:                                      # sampled at T: score softmax(logits / T)
+            if temperature != 1.0:  # sampled at T: score softmax(logits / T)
                 logits = logits / temperature
-            logp_all = torch.log_softmax(logits, dim=-1) if score is None or return_entropy else None  # (C, V)
-            logp = (logp_all.gather(-1, tgt_c[:, None]).squeeze(-1) if score is None
-                    else score(logits, tgt_c, args_c))                  # (C,)
+            # (C, V)
+            logp_all = (
+                torch.log_softmax(logits, dim=-1) if score is None or return_entropy else None
+            )
+            logp = (
+                logp_all.gather(-1, tgt_c[:, None]).squeeze(-1)
+                if score is None
+                else score(logits, tgt_c, args_c)
+            )  # (C,)
             if not return_entropy:
                 return logp, torch.zeros_like(logp)
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                return logp, -(logp_all.exp() * logp_all).sum(-1)       # (C,), (C,)
+                return logp, -(logp_all.exp() * logp_all).sum(-1)  # (C,), (C,)
 
         recompute = torch.is_grad_enabled() and h.requires_grad
         logps, ents = [], []
-        # at least one chunk, empty when nothing is masked: the result still hangs off the decoder's graph, so a
-        # backward runs (under FSDP every rank must join every backward's collectives)
+        # at least one chunk, empty when nothing is masked: the result still hangs off the decoder's
+        # graph, so a backward runs (under FSDP every rank must join every backward's collectives)
         for s in range(0, max(h_sel.shape[0], 1), chunk_size):
-            chunk = (h_sel[s:s + chunk_size], targets[s:s + chunk_size], args[s:s + chunk_size])
-            lp, ent = checkpoint(chunk_logprobs, *chunk, use_reentrant=False) if recompute else chunk_logprobs(*chunk)
+            chunk = (
+                h_sel[s : s + chunk_size],
+                targets[s : s + chunk_size],
+                args[s : s + chunk_size],
+            )
+            lp, ent = (
+                checkpoint(chunk_logprobs, *chunk, use_reentrant=False)
+                if recompute
+                else chunk_logprobs(*chunk)
+            )
             logps.append(lp)
             ents.append(ent)
 
-        def scatter(parts):                                             # (N,) -> (B, T), 0 where not scored
-            scores = torch.cat(parts)                                   # (N,) fp32, or fp64 for a fp64 model
+        def scatter(parts):  # (N,) -> (B, T), 0 where not scored
+            scores = torch.cat(parts)  # (N,) fp32, or fp64 for a fp64 model
             out = scores.new_zeros(B, T - 1).index_put((rows, cols), scores)  # (B, T-1)
-            return torch.cat([out.new_zeros(B, 1), out], dim=1)         # (B, T)
+            return torch.cat([out.new_zeros(B, 1), out], dim=1)  # (B, T)
 
         if return_entropy:
             return scatter(logps), scatter(ents)
@@ -421,23 +538,26 @@ class Transformer(nn.Module):
 
 
 def train_flops(model: Transformer, lengths) -> float:
-    """Model FLOPs of one training pass (forward + backward) over sequences of the given lengths, as in PaLM's
-    MFU (Chowdhery et al. 2022, appendix B; nanoGPT's estimate_mfu): 6 N per token for the weight matmuls, plus
-    12 x layers x heads x head_dim x T per token of a length-T sequence for attention's two matmuls (counted in
-    full, causal or not). N counts the lm_head but not the embedding lookup (once when the two are tied).
-    Recomputation (activation checkpointing, the log-prob chunks) is not model FLOPs and is not counted."""
+    """Model FLOPs of one training pass (forward + backward) over sequences of the given lengths, as
+    in PaLM's MFU (Chowdhery et al. 2022, appendix B; nanoGPT's estimate_mfu): 6 N per token for the
+    weight matmuls, plus 12 x layers x heads x head_dim x T per token of a length-T sequence for
+    attention's two matmuls (counted in full, causal or not). N counts the lm_head but not the
+    embedding lookup (once when the two are tied). Recomputation (activation checkpointing, the
+    log-prob chunks) is not model FLOPs and is not counted."""
     c = model.cfg
     n = sum(p.numel() for p in model.parameters())
     if not c.tie_word_embeddings:
-        n -= model.model.embed_tokens.weight.numel()                # a lookup, no FLOPs
+        n -= model.model.embed_tokens.weight.numel()  # a lookup, no FLOPs
     attn = 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
     return float(sum(6 * n * int(t) + attn * int(t) ** 2 for t in lengths))
 
 
 # ----------------------------------------------------------------------------- init, load, save
 
+
 def init_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A freshly initialised model, identical for the same seed: N(0, 0.02) weights, zero biases, unit norms."""
+    """A freshly initialised model, identical for the same seed: N(0, 0.02) weights, zero biases,
+    unit norms."""
     with torch.device("meta"):  # skip nn.Linear's own init (slow, and it draws from the global RNG)
         model = Transformer(cfg)
     model.to_empty(device="cpu")
@@ -455,7 +575,8 @@ def init_model(cfg: ModelConfig, seed: int) -> Transformer:
 
 
 def safetensors_files(path) -> list[str]:
-    """The weight files of a Hugging Face folder: model.safetensors, or the shards its index lists."""
+    """The weight files of a Hugging Face folder: model.safetensors, or the shards its index
+    lists."""
     index = os.path.join(path, "model.safetensors.index.json")
     if not os.path.exists(index):
         return ["model.safetensors"]
@@ -464,7 +585,8 @@ def safetensors_files(path) -> list[str]:
 
 
 def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
-    """Load config.json plus model.safetensors, or the shards listed in model.safetensors.index.json."""
+    """Load config.json plus model.safetensors, or the shards listed in
+    model.safetensors.index.json."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = ModelConfig.from_hf(json.load(f))
     state = {}
@@ -472,27 +594,34 @@ def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
         state.update(load_file(os.path.join(path, file), device=str(device)))
     state = {k: v.to(dtype) for k, v in state.items()}
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # some tied checkpoints store a copy; the tied parameter wins
+        # some tied checkpoints store a copy; the tied parameter wins
+        state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the config: missing {missing}, unexpected {unexpected}")
-    model.load_state_dict(state, strict=False, assign=True)  # assign: keep the loaded tensors, no copy
+        raise ValueError(
+            f"checkpoint {path} does not match the config: missing {missing}, unexpected {unexpected}"
+        )
+    # assign: keep the loaded tensors, no copy
+    model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return model
 
 
 def save_model(model: Transformer, path, max_shard_bytes=None):
-    """Write config.json and model.safetensors (or model-0000i-of-0000n.safetensors + index when sharded)."""
+    """Write config.json and model.safetensors (or model-0000i-of-0000n.safetensors + index when
+    sharded)."""
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         del state["lm_head.weight"]  # Hugging Face re-ties it from the embedding on load
     dtype = next(iter(state.values())).dtype
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**model.cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+        json.dump(
+            {**model.cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2
+        )
     shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow this one
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()

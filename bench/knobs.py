@@ -1,15 +1,17 @@
-"""bench/knobs.py: every knob of the config tree, set on a tiny two-step run, and what it was seen to change; writes
-docs/knobs.md.
+"""bench/knobs.py: every knob of the config tree, set on a tiny two-step run, and what it was seen
+to change; writes docs/knobs.md.
 
     .venv/bin/python bench/knobs.py [--out docs/knobs.md] [--root runs/knobs]
 
-The walk is tests/test_knobs.py's (its KNOBS table, its runs and its comparisons; the slow tier of that test asserts
-what this script reports): each knob is set to a legal non-default value, on top of the context that makes it apply,
-and the run is compared with the run of the context alone. The page lists, per knob, the value tried and what
-happened: what changed (metrics, weights, held-out episodes, files, the default model built), the start-up refusal,
-or why it is inert. The runs go under --root (emptied first). Exit status 1 when a knob does not do what the table
-expects (the page marks it).
+The walk is tests/test_knobs.py's (its KNOBS table, its runs and its comparisons; the slow tier of
+that test asserts what this script reports): each knob is set to a legal non-default value, on top
+of the context that makes it apply, and the run is compared with the run of the context alone. The
+page lists, per knob, the value tried and what
+happened: what changed (metrics, weights, held-out episodes, files, the default model built), the
+start-up refusal, or why it is inert. The runs go under --root (emptied first). Exit status 1 when a
+knob does not do what the table expects (the page marks it).
 """
+
 import argparse
 import os
 import platform
@@ -28,7 +30,11 @@ from test_knobs import CHANGES, INERT, KNOBS, REFUSED, Walk, problem  # noqa: E4
 def context_names() -> dict[tuple, str]:
     """The contexts tests/test_knobs.py names (EPOCHS, PPO, SFT, ...), by value."""
     used = {knob.context for knob in KNOBS.values()}
-    return {v: k for k, v in vars(walk_lib).items() if k.isupper() and isinstance(v, tuple) and v in used}
+    return {
+        v: k
+        for k, v in vars(walk_lib).items()
+        if k.isupper() and isinstance(v, tuple) and v in used
+    }
 
 
 def cell(text: str) -> str:
@@ -43,7 +49,11 @@ def describe(key: str, outcome, root: str) -> str:
     if knob.expect == REFUSED:
         return f"refused: {cell(seen[0])}" + (f" ({cell(knob.why)})" if knob.why else "")
     if knob.expect == INERT:
-        moved = "float rounding only: " + "; ".join(seen) if outcome.kind == "rounding" else "nothing moved"
+        moved = (
+            "float rounding only: " + "; ".join(seen)
+            if outcome.kind == "rounding"
+            else "nothing moved"
+        )
         return f"inert: {cell(knob.why)}. Seen: {cell(moved)}"
     if knob.stops:
         return f"stops the run: {cell(seen[0])}"
@@ -51,7 +61,9 @@ def describe(key: str, outcome, root: str) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "knobs.md"))
     p.add_argument("--root", default=os.path.join(ROOT, "runs", "knobs"))
     args = p.parse_args()
@@ -60,11 +72,13 @@ def main():
 
     from config import load_config
     from sft import build_default_model
+
     root = os.path.abspath(args.root)
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
-    model_dir = build_default_model(load_config("configs/toy_math.yaml", [*walk_lib.TINY,
-                                                                           f"model.cache_dir={root}/cache"]))
+    model_dir = build_default_model(
+        load_config("configs/toy_math.yaml", [*walk_lib.TINY, f"model.cache_dir={root}/cache"])
+    )
     walk = Walk(model_dir, os.path.join(root, "runs"))
     rows, failed, counts = [], [], {CHANGES: 0, REFUSED: 0, INERT: 0}
     for key, knob in KNOBS.items():
@@ -75,9 +89,17 @@ def main():
             failed.append(key)
         rows.append((key, knob, describe(key, outcome, root)))
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     names = context_names()
     lines = [
         "# Every knob, and what it does",
@@ -89,7 +111,8 @@ def main():
         f"{commit} on a {os.cpu_count()}-core CPU ({cpu}), {torch.get_num_threads()} torch threads.",
         "",
         f"{len(KNOBS)} knobs: {counts[CHANGES]} change something, {counts[REFUSED]} are refused, {counts[INERT]} are "
-        "inert in this setting" + (f"; **{len(failed)} fail: {', '.join(failed)}**." if failed else "."),
+        "inert in this setting"
+        + (f"; **{len(failed)} fail: {', '.join(failed)}**." if failed else "."),
         "",
         "The base run is tests/test_train.py's `TINY` (the embedded default model at test size, toy math), smaller "
         f"still (`{' '.join(walk_lib.FAST)}`), two steps, an eval at steps 0 and 2, and DAPO's overlong penalty over "
@@ -104,14 +127,19 @@ def main():
         "",
         "Contexts used by several knobs:",
         "",
-        *[f"- {name}: `{' '.join(ctx)}`" for ctx, name in sorted(names.items(), key=lambda kv: kv[1])],
+        *[
+            f"- {name}: `{' '.join(ctx)}`"
+            for ctx, name in sorted(names.items(), key=lambda kv: kv[1])
+        ],
         "",
         "| knob | value tried | context | what it did |",
         "|---|---|---|---|",
     ]
     for key, knob, what in rows:
         context = names.get(knob.context) or " ".join(knob.context)
-        lines.append(f"| `{key}` | `{cell(knob.value)}` | {cell(context) if context else ''} | {what} |")
+        lines.append(
+            f"| `{key}` | `{cell(knob.value)}` | {cell(context) if context else ''} | {what} |"
+        )
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {args.out}: {counts}; failing: {failed or 'none'}")

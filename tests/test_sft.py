@@ -1,5 +1,6 @@
-"""sft.py: SFT data is cut exactly where the agent loop cuts a rollout, so the warm start trains on the
-token sequences the policy is later asked to produce."""
+"""sft.py: SFT data is cut exactly where the agent loop cuts a rollout, so the warm start trains on
+the token sequences the policy is later asked to produce."""
+
 import random
 
 from agent import AgentConfig, run_episodes
@@ -22,7 +23,8 @@ def spans(ids, mask):
 
 
 class ReplayEngine:
-    """Answers each generate call with the next assistant turn of a demonstration, as the policy would."""
+    """Answers each generate call with the next assistant turn of a demonstration, as the policy
+    would."""
 
     def __init__(self, turns):
         self.turns = list(turns)
@@ -47,31 +49,55 @@ def test_sft_tokens_equal_the_agent_loops_tokens():
         turns = spans(ids, mask)
         assert len(turns) == sum(m["role"] == "assistant" for m in demo)
         assert all(t[-1] == tok.token_to_id("<|im_end|>") for t in turns)
-        # 3. the agent loop, fed those turns as the policy's output, builds the very same ids and mask
-        traj = run_episodes(ReplayEngine(turns), {"toy_math": env}, [task], tok,
-                            AgentConfig(n_samples=1, max_total_tokens=4096), SamplingParams(), seed=0)[0]
+        # 3. the agent loop, fed those turns as the policy's output, builds the very same ids and
+        # mask
+        traj = run_episodes(
+            ReplayEngine(turns),
+            {"toy_math": env},
+            [task],
+            tok,
+            AgentConfig(n_samples=1, max_total_tokens=4096),
+            SamplingParams(),
+            seed=0,
+        )[0]
         assert traj.reward == 1.0 and traj.done
         assert traj.token_ids == ids and traj.loss_mask == mask
 
 
-def test_the_short_context_warm_up_trains_each_rows_last_tokens_then_whole_rows(tmp_path, monkeypatch):
-    """sft.short_context_steps: the first steps train each row cut to its last short_context_tokens (its loss mask
-    cut with it), the later steps whole rows. Off (0), neither setting enters the cache key: every model built
-    before the warm-up existed keeps its folder."""
+def test_the_short_context_warm_up_trains_each_rows_last_tokens_then_whole_rows(
+    tmp_path, monkeypatch
+):
+    """sft.short_context_steps: the first steps train each row cut to its last short_context_tokens
+    (its loss mask cut with it), the later steps whole rows. Off (0), neither setting enters the
+    cache key: every model built before the warm-up existed keeps its folder."""
     import sft
     from dataclasses import replace
     from config import load_config
+
     widths, real = [], sft.sft_step
 
     def spy(state, input_ids, loss_mask, cfg):
         assert input_ids.shape == loss_mask.shape
         widths.append(input_ids.shape[1])
         return real(state, input_ids, loss_mask, cfg)
+
     monkeypatch.setattr(sft, "sft_step", spy)
-    cfg = load_config("configs/toy_math.yaml", [
-        f"model.cache_dir={tmp_path}", "sft.num_demos=16", "sft.max_steps=4", "sft.eval_every=100", "sft.eval_size=2",
-        "sft.batch_size=4", "sft.hidden_size=16", "sft.num_layers=1", "sft.intermediate_size=32",
-        "sft.short_context_steps=2", "sft.short_context_tokens=8"])
+    cfg = load_config(
+        "configs/toy_math.yaml",
+        [
+            f"model.cache_dir={tmp_path}",
+            "sft.num_demos=16",
+            "sft.max_steps=4",
+            "sft.eval_every=100",
+            "sft.eval_size=2",
+            "sft.batch_size=4",
+            "sft.hidden_size=16",
+            "sft.num_layers=1",
+            "sft.intermediate_size=32",
+            "sft.short_context_steps=2",
+            "sft.short_context_tokens=8",
+        ],
+    )
     sft.build_default_model(cfg, log=lambda msg: None)
     assert [w <= 8 for w in widths] == [True, True, False, False]
     base = load_config("configs/toy_math.yaml")

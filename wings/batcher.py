@@ -1,39 +1,47 @@
-"""batcher.py: continuous batching for serve.py: the requests in flight share the engine's forward passes, each one
-sampled with its own seed (a wing of rollout.py, used by wings/serve.py).
+"""batcher.py: continuous batching for serve.py: the requests in flight share the engine's forward
+passes, each one sampled with its own seed (a wing of rollout.py, used by wings/serve.py).
 
-One engine thread (Scheduler) owns the engine. Requests (Jobs: a prompt, its SamplingParams, a seed) queue up, and
-for a plain rollout.TorchEngine they are served by a ContinuousBatch (Yu et al. 2022, Orca, "iteration-level
-scheduling", https://www.usenix.org/conference/osdi22/presentation/yu; vLLM's scheduler): at every token boundary
-the waiting requests are prefilled together and join the running rows, each row samples one token, finished rows
-leave (when a quarter of the batch has finished, TorchEngine's rule), and one decode step runs the rest. A request
-that arrives while 63 others generate waits for one token, not for the whole batch, and a weight push or the
-weight-sync gate's probe (Scheduler.call) runs between batches, never mid-generation, so each request's tokens
-carry one weight version.
+One engine thread (Scheduler) owns the engine. Requests (Jobs: a prompt, its SamplingParams, a seed)
+queue up, and for a plain rollout.TorchEngine they are served by a ContinuousBatch (Yu et al. 2022,
+Orca, "iteration-level scheduling", https://www.usenix.org/conference/osdi22/presentation/yu; vLLM's
+scheduler): at every token boundary the waiting requests are prefilled together and join the running
+rows, each row samples one token, finished rows leave (when a quarter of the batch has finished,
+TorchEngine's rule), and one decode step runs the rest. A request that arrives while 63 others
+generate waits for one token, not for the whole batch, and a weight push or the weight-sync gate's
+probe (Scheduler.call) runs between batches, never mid-generation, so each request's tokens carry
+one weight version.
 
-Per-request seeds. TorchEngine draws a whole call's samples from one torch.Generator, so a row's tokens would depend
-on what shares its batch. Here every request has its own generator, and the draw is split from the rest of
-sampling: torch.multinomial(p, 1, generator=g) is argmax(p / q) with q ~ Exp(1) drawn from g (the exponential race,
-the form torch itself computes, https://github.com/pytorch/pytorch/issues/11931#issuecomment-625882503). Each request
-draws its q from its own generator (one small call per request), and everything else is one batched call
-(sample_rows: rollout.sample_tokens with the draw passed in; a test checks the two agree, bit for bit). A request's
-generator advances exactly as TorchEngine's would for that request alone (its rows stay in its draws until a quarter
-of them have finished), so:
+Per-request seeds. TorchEngine draws a whole call's samples from one torch.Generator, so a row's
+tokens would depend on what shares its batch. Here every request has its own generator, and the draw
+is split from the rest of
+sampling: torch.multinomial(p, 1, generator=g) is argmax(p / q) with q ~ Exp(1) drawn from g (the
+exponential race, the form torch itself computes,
+https://github.com/pytorch/pytorch/issues/11931#issuecomment-625882503). Each request draws its q
+from its own generator (one small call per request), and everything else is one batched call
+(sample_rows: rollout.sample_tokens with the draw passed in; a test checks the two agree, bit for
+bit). A request's generator advances exactly as TorchEngine's would for that request alone (its rows
+stay in its draws until a quarter of them have finished), so:
   - a seeded request gives the same tokens whatever else shares its batch, and
-  - a request alone in the batch is TorchEngine.generate([prompt], params), ids and log-probs to the bit.
-In a shared batch the log-probs differ from the lone call's in the last bits (~5e-7, measured): a matrix multiply
-of 64 rows does not round like one of 1 (no torch CPU kernel is batch-invariant). They are still exactly the
-log-probs of the distribution that was sampled, which is what the learner needs.
+  - a request alone in the batch is TorchEngine.generate([prompt], params), ids and log-probs to the
+  bit.
+In a shared batch the log-probs differ from the lone call's in the last bits (~5e-7, measured): a
+matrix multiply of 64 rows does not round like one of 1 (no torch CPU kernel is batch-invariant).
+They are still exactly the log-probs of the distribution that was sampled, which is what the learner
+needs.
 
-Layout. Rows are left-padded into one KVCache, as TorchEngine lays out a call: every row's next token is written at
-the same column, its position counted over its own real tokens. Joining rows are prefilled on their own, then both
-caches are copied right-aligned into a new one, wide enough for every row's remaining tokens (the columns that are
-padding for every row are dropped then). Other engines (vLLM, a remote server, an engine with a prefix cache or
-mid-generation pushes: one whose TorchEngine hooks do something) are served one request at a time.
+Layout. Rows are left-padded into one KVCache, as TorchEngine lays out a call: every row's next
+token is written at the same column, its position counted over its own real tokens. Joining rows are
+prefilled on their own, then both caches are copied right-aligned into a new one, wide enough for
+every row's remaining tokens (the columns that are padding for every row are dropped then). Other
+engines (vLLM, a remote server, an engine with a prefix cache or mid-generation pushes: one whose
+TorchEngine hooks do something) are served one request at a time.
 
-Shapes: b rows in the batch, V vocab, H hidden, W cache columns, S prefill columns, D distinct prompts prefilled.
-Imports: model.py (KVCache), algos.py (the top-k / top-p set), rollout.py (SamplingParams, Generation, TorchEngine)
-(and torch, the standard library).
+Shapes: b rows in the batch, V vocab, H hidden, W cache columns, S prefill columns, D distinct
+prompts prefilled.
+Imports: model.py (KVCache), algos.py (the top-k / top-p set), rollout.py (SamplingParams,
+Generation, TorchEngine) (and torch, the standard library).
 """
+
 import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
@@ -46,21 +54,24 @@ import algos
 from model import KVCache
 from rollout import Generation, SamplingParams, TorchEngine
 
-HOOKS = ("_prefill_layout", "_token_boundary", "_decode", "_rows_done", "_store", "draw")   # TorchEngine's, which
-                                                                                       # its wings override
-GATHER_S = 0.005          # an idle engine waits while requests keep arriving this often (Triton's max_queue_delay)
-GATHER_ROUNDS = 10        # ... for 10 such waits at most: a lone request starts within 5-50 ms
+# TorchEngine's, which its wings override
+HOOKS = ("_prefill_layout", "_token_boundary", "_decode", "_rows_done", "_store", "draw")
+# an idle engine waits while requests keep arriving this often (Triton's max_queue_delay)
+GATHER_S = 0.005
+GATHER_ROUNDS = 10  # ... for 10 such waits at most: a lone request starts within 5-50 ms
 
 
 @dataclass(eq=False)
 class Job:
-    """One request's sampling: n samples of one prompt. `future` resolves to its n Generations (or the engine's
-    exception); on_tokens, when given, is called on the engine thread after every step with {sample: new ids}."""
+    """One request's sampling: n samples of one prompt. `future` resolves to its n Generations (or
+    the engine's exception); on_tokens, when given, is called on the engine thread after every step
+    with {sample: new ids}."""
+
     prompt: list[int]
     params: SamplingParams
     on_tokens: Callable[[dict[int, list[int]]], None] | None = None
     future: Future = field(default_factory=Future)
-    cancelled: bool = False             # its client left: it leaves the batch at the next token boundary
+    cancelled: bool = False  # its client left: it leaves the batch at the next token boundary
 
 
 def resolve(future: Future, result=None, error: BaseException | None = None):
@@ -72,71 +83,94 @@ def resolve(future: Future, result=None, error: BaseException | None = None):
 
 
 def batchable(engine) -> bool:
-    """Whether the ContinuousBatch can run `engine`'s model: a TorchEngine whose hooks are TorchEngine's own."""
-    return isinstance(engine, TorchEngine) and all(getattr(type(engine), h) is getattr(TorchEngine, h) for h in HOOKS)
+    """Whether the ContinuousBatch can run `engine`'s model: a TorchEngine whose hooks are
+    TorchEngine's own."""
+    return isinstance(engine, TorchEngine) and all(
+        getattr(type(engine), h) is getattr(TorchEngine, h) for h in HOOKS
+    )
 
 
 def sample_rows(logits, temperature: float, top_p: float, top_k: int, draws):
-    """rollout.sample_tokens with its random draw passed in: logits (b, V), draws (b, V) Exp(1) samples (None when
-    greedy) -> (tokens (b,), log-probs (b,), kept sizes (b,) or None). The same tokens, log-probs and sizes as
-    sample_tokens with a generator that would have drawn `draws` (torch.multinomial is argmax(p / q))."""
+    """rollout.sample_tokens with its random draw passed in: logits (b, V), draws (b, V) Exp(1)
+    samples (None when greedy) -> (tokens (b,), log-probs (b,), kept sizes (b,) or None). The same
+    tokens, log-probs and sizes as sample_tokens with a generator that would have drawn `draws`
+    (torch.multinomial is argmax(p / q))."""
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(-1)                                      # (b,)
-        logp_all = torch.log_softmax(logits, dim=-1)                    # (b, V)
+        tokens = logits.argmax(-1)  # (b,)
+        logp_all = torch.log_softmax(logits, dim=-1)  # (b, V)
     elif top_p < 1.0 or top_k > 0:
         in_set = algos.truncation_mask(logits, temperature, top_k, top_p)  # (b, V)
-        probs = torch.softmax((logits / temperature).masked_fill(~in_set, -torch.inf), dim=-1)  # (b, V)
-        tokens = (probs / draws).argmax(-1)                             # (b,)
+        # (b, V)
+        probs = torch.softmax((logits / temperature).masked_fill(~in_set, -torch.inf), dim=-1)
+        tokens = (probs / draws).argmax(-1)  # (b,)
         return tokens, algos.truncated_logprobs(logits, tokens, in_set, temperature), in_set.sum(-1)
     else:
-        logp_all = torch.log_softmax(logits / temperature, dim=-1)      # (b, V)
-        tokens = (logp_all.exp() / draws).argmax(-1)                    # (b,)
+        logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (b, V)
+        tokens = (logp_all.exp() / draws).argmax(-1)  # (b,)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1), None
 
 
 @dataclass(eq=False)
 class _Run:
     """A job in the batch: what its samples have produced so far, and its generator."""
+
     job: Job
     generator: torch.Generator | None
-    tokens: list[list[int]]             # (n, t) per sample
-    logprobs: list[list[float]]         # (n, t)
-    kept: list[list[int]]               # (n, t) top-k / top-p set sizes (empty lists when nothing is truncated)
-    stopped: list[bool]                 # (n,) a stop id was sampled
-    ride: list[int]                     # the samples still drawn for: TorchEngine's rows of this call
-    steps: int = 0                      # tokens sampled per sample so far
+    tokens: list[list[int]]  # (n, t) per sample
+    logprobs: list[list[float]]  # (n, t)
+    kept: list[list[int]]  # (n, t) top-k / top-p set sizes (empty lists when nothing is truncated)
+    stopped: list[bool]  # (n,) a stop id was sampled
+    ride: list[int]  # the samples still drawn for: TorchEngine's rows of this call
+    steps: int = 0  # tokens sampled per sample so far
 
     @classmethod
     def start(cls, job: Job) -> "_Run":
         n = job.params.n
-        gen = torch.Generator().manual_seed(job.params.seed) if job.params.seed is not None else None
-        return cls(job, gen, [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n,
-                   list(range(n)))
+        gen = (
+            torch.Generator().manual_seed(job.params.seed) if job.params.seed is not None else None
+        )
+        return cls(
+            job,
+            gen,
+            [[] for _ in range(n)],
+            [[] for _ in range(n)],
+            [[] for _ in range(n)],
+            [False] * n,
+            list(range(n)),
+        )
 
     def live(self, s: int) -> bool:
-        return not self.stopped[s] and self.steps < self.job.params.max_tokens and not self.job.cancelled
+        return (
+            not self.stopped[s]
+            and self.steps < self.job.params.max_tokens
+            and not self.job.cancelled
+        )
 
     @property
     def finished(self) -> bool:
         return not any(self.live(s) for s in range(len(self.stopped)))
 
     def generations(self) -> list[Generation]:
-        return [Generation(t, lp, "stop" if stop else "length", kept_sizes=k)
-                for t, lp, stop, k in zip(self.tokens, self.logprobs, self.stopped, self.kept)]
+        return [
+            Generation(t, lp, "stop" if stop else "length", kept_sizes=k)
+            for t, lp, stop, k in zip(self.tokens, self.logprobs, self.stopped, self.kept)
+        ]
 
 
 class ContinuousBatch:
-    """The running rows of a TorchEngine's model: admit(jobs) prefills and joins them, step() samples one token for
-    every row and runs one decode step. finished(run) is called for each job whose samples are all done."""
+    """The running rows of a TorchEngine's model: admit(jobs) prefills and joins them, step()
+    samples one token for every row and runs one decode step. finished(run) is called for each job
+    whose samples are all done."""
 
     def __init__(self, engine: TorchEngine, finished: Callable[[Job, list[Generation]], None]):
         self.engine, self.model, self.pad_id = engine, engine.model, engine.pad_id
         self.max_rows, self.finished = engine.max_batch_size, finished
         self.runs: list[_Run] = []
-        self.rows: list[tuple[_Run, int]] = []          # (b,) each row's run and sample
+        self.rows: list[tuple[_Run, int]] = []  # (b,) each row's run and sample
         self.cache: KVCache | None = None
-        self.real = self.next_pos = self.h = None       # (b, W) key padding mask, (b, 1) positions, (b, 1, H)
+        # (b, W) key padding mask, (b, 1) positions, (b, 1, H)
+        self.real = self.next_pos = self.h = None
         self.was_training = False
 
     def room(self) -> int:
@@ -144,29 +178,33 @@ class ContinuousBatch:
 
     @torch.inference_mode()
     def admit(self, jobs: list[Job]):
-        """Prefill the jobs' prompts (each distinct prompt once, left-padded, as TorchEngine's _prefill_layout) and
-        add their rows to the batch."""
+        """Prefill the jobs' prompts (each distinct prompt once, left-padded, as TorchEngine's
+        _prefill_layout) and add their rows to the batch."""
         runs = [_Run.start(j) for j in jobs]
         prompts = [r.job.prompt for r in runs for _ in range(r.job.params.n)]
         distinct = list({tuple(p): None for p in prompts})
         index = {p: i for i, p in enumerate(distinct)}
-        source = torch.tensor([index[tuple(p)] for p in prompts])                  # (b_new,) row -> its prompt
-        D, S, N = len(distinct), max(len(p) for p in distinct), max(r.job.params.max_tokens for r in runs)
-        ids = torch.full((D, S), self.pad_id, dtype=torch.long)                    # (D, S)
-        real = torch.zeros(D, S + N, dtype=torch.bool)                             # (D, S + N)
+        source = torch.tensor([index[tuple(p)] for p in prompts])  # (b_new,) row -> its prompt
+        D, S, N = (
+            len(distinct),
+            max(len(p) for p in distinct),
+            max(r.job.params.max_tokens for r in runs),
+        )
+        ids = torch.full((D, S), self.pad_id, dtype=torch.long)  # (D, S)
+        real = torch.zeros(D, S + N, dtype=torch.bool)  # (D, S + N)
         for i, p in enumerate(distinct):
-            ids[i, S - len(p):] = torch.tensor(p, dtype=torch.long)
-            real[i, S - len(p):] = True
+            ids[i, S - len(p) :] = torch.tensor(p, dtype=torch.long)
+            real[i, S - len(p) :] = True
         self.engine.prompt_tokens += sum(len(p) for p in distinct)
         self.engine.prefilled_tokens += sum(len(p) for p in distinct)
         if not self.rows:
             self.was_training = self.model.training
             self.model.eval()
         cache = KVCache(self.model.cfg, D, S + N, dtype=self.model.lm_head.weight.dtype)
-        positions = (real[:, :S].long().cumsum(-1) - 1).clamp(min=0)              # (D, S)
-        h = self.model.hidden_states(ids, positions, real, cache)[source, -1:]    # (b_new, 1, H)
+        positions = (real[:, :S].long().cumsum(-1) - 1).clamp(min=0)  # (D, S)
+        h = self.model.hidden_states(ids, positions, real, cache)[source, -1:]  # (b_new, 1, H)
         cache.keep_rows(source)
-        real, next_pos = real[source], positions[source, -1:] + 1                  # (b_new, S + N), (b_new, 1)
+        real, next_pos = real[source], positions[source, -1:] + 1  # (b_new, S + N), (b_new, 1)
         if self.rows:
             cache, real = self._merge(cache, real, runs)
             next_pos, h = torch.cat([self.next_pos, next_pos]), torch.cat([self.h, h])
@@ -175,47 +213,57 @@ class ContinuousBatch:
         self.rows += [(r, s) for r in runs for s in range(r.job.params.n)]
 
     def _merge(self, cache: KVCache, real, runs: list[_Run]) -> tuple[KVCache, torch.Tensor]:
-        """The running rows' cache and the joining rows' in one, both right-aligned at the write column, as wide as
-        the longest row's real tokens plus the most tokens any row may still sample."""
+        """The running rows' cache and the joining rows' in one, both right-aligned at the write
+        column, as wide as the longest row's real tokens plus the most tokens any row may still
+        sample."""
         old, filled = self.cache, self.cache.pos
-        first = self.real[:, :filled].float().argmax(-1).min().item()             # columns before: padding in all
+        # columns before: padding in all
+        first = self.real[:, :filled].float().argmax(-1).min().item()
         used, new = filled - first, cache.pos
-        P = max(used, new)                                                          # the new write column
+        P = max(used, new)  # the new write column
         left = max([r.job.params.max_tokens - r.steps for r in self.runs + runs])
         b_old, b = len(self.rows), len(self.rows) + real.shape[0]
         merged = KVCache(self.model.cfg, b, P + left, dtype=cache.k[0].dtype)
         for layer in range(len(merged.k)):
             for dst, src_old, src_new in ((merged.k, old.k, cache.k), (merged.v, old.v, cache.v)):
-                dst[layer][:b_old, :, P - used:P] = src_old[layer][:, :, first:filled]
-                dst[layer][b_old:, :, P - new:P] = src_new[layer][:, :, :new]
+                dst[layer][:b_old, :, P - used : P] = src_old[layer][:, :, first:filled]
+                dst[layer][b_old:, :, P - new : P] = src_new[layer][:, :, :new]
         merged.pos = P
-        mask = torch.zeros(b, P + left, dtype=torch.bool)                          # (b, W)
-        mask[:b_old, P - used:P] = self.real[:, first:filled]
-        mask[b_old:, P - new:P] = real[:, :new]
-        mask[:, P:] = True                                                          # every sampled token is real
+        mask = torch.zeros(b, P + left, dtype=torch.bool)  # (b, W)
+        mask[:b_old, P - used : P] = self.real[:, first:filled]
+        mask[b_old:, P - new : P] = real[:, :new]
+        mask[:, P:] = True  # every sampled token is real
         return merged, mask
 
     def _draws(self, rows: list[int], V: int) -> torch.Tensor:
-        """Exp(1) draws for `rows` of the batch: each run draws (len(ride), V) from its own generator, as
-        torch.multinomial over TorchEngine's rows of that request would; a row whose sample is no longer drawn for
-        gets ones (its token is not used)."""
+        """Exp(1) draws for `rows` of the batch: each run draws (len(ride), V) from its own
+        generator, as torch.multinomial over TorchEngine's rows of that request would; a row whose
+        sample is no longer drawn for gets ones (its token is not used)."""
         drawn = {}
         for i in rows:
             run = self.rows[i][0]
             if run not in drawn:
                 drawn[run] = torch.empty(len(run.ride), V).exponential_(1, generator=run.generator)
         ones = torch.ones(V)
-        return torch.stack([drawn[run][run.ride.index(s)] if s in run.ride else ones
-                            for run, s in (self.rows[i] for i in rows)])            # (len(rows), V)
+        return torch.stack(
+            [
+                drawn[run][run.ride.index(s)] if s in run.ride else ones
+                for run, s in (self.rows[i] for i in rows)
+            ]
+        )  # (len(rows), V)
 
     @torch.inference_mode()
     def step(self):
-        """Sample one token for every row, hand over the jobs that are done, then run one decode step for the rows
-        still generating."""
-        logits = self.model.lm_head(self.h[:, -1])                                   # (b, V)
+        """Sample one token for every row, hand over the jobs that are done, then run one decode
+        step for the rows still generating."""
+        logits = self.model.lm_head(self.h[:, -1])  # (b, V)
         b, V = logits.shape
-        tokens, logprobs, sizes = torch.zeros(b, dtype=torch.long), torch.zeros(b), torch.zeros(b, dtype=torch.long)
-        groups: dict[tuple, list[int]] = {}                                         # rows sampled alike
+        tokens, logprobs, sizes = (
+            torch.zeros(b, dtype=torch.long),
+            torch.zeros(b),
+            torch.zeros(b, dtype=torch.long),
+        )
+        groups: dict[tuple, list[int]] = {}  # rows sampled alike
         for i, (run, _) in enumerate(self.rows):
             p = run.job.params
             groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(i)
@@ -230,8 +278,8 @@ class ContinuousBatch:
         self._next(tokens)
 
     def _record(self, tokens: list[int], logprobs: list[float], sizes: list[int]):
-        """Append each live row's token; finish the runs that are done, and shrink each run's draws as TorchEngine
-        drops finished rows (once a quarter of them have finished)."""
+        """Append each live row's token; finish the runs that are done, and shrink each run's draws
+        as TorchEngine drops finished rows (once a quarter of them have finished)."""
         new: dict[_Run, dict[int, list[int]]] = {}
         for i, (run, s) in enumerate(self.rows):
             if run.live(s):
@@ -255,7 +303,8 @@ class ContinuousBatch:
         self.runs = [r for r in self.runs if not r.finished]
 
     def _next(self, tokens):
-        """Drop the finished rows (when a quarter of the batch has finished) and run one decode step."""
+        """Drop the finished rows (when a quarter of the batch has finished) and run one decode
+        step."""
         live = [i for i, (run, s) in enumerate(self.rows) if run.live(s)]
         if not live:
             self.reset()
@@ -265,29 +314,39 @@ class ContinuousBatch:
             self.cache.keep_rows(keep)
             self.real, self.next_pos, tokens = self.real[keep], self.next_pos[keep], tokens[keep]
             self.rows = [self.rows[i] for i in live]
-        self.h = self.model.hidden_states(tokens[:, None], self.next_pos, self.real, self.cache)  # (b, 1, H)
+        # (b, 1, H)
+        self.h = self.model.hidden_states(tokens[:, None], self.next_pos, self.real, self.cache)
         self.next_pos = self.next_pos + 1
 
     def reset(self, error: BaseException | None = None):
-        """Empty the batch (every job in it failed with `error`, when given) and give the model back its mode."""
+        """Empty the batch (every job in it failed with `error`, when given) and give the model back
+        its mode."""
         for run in self.runs:
             if error is not None:
                 resolve(run.job.future, error=error)
         if self.rows or self.runs:
             self.model.train(self.was_training)
-        self.runs, self.rows, self.cache, self.real, self.next_pos, self.h = [], [], None, None, None, None
+        self.runs, self.rows, self.cache, self.real, self.next_pos, self.h = (
+            [],
+            [],
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class Scheduler:
-    """The engine thread. submit(prompt, params) queues a Job; call(fn) runs fn() once no job is running (a weight
-    push, the weight-sync gate's generate, sleep / wake_up), the jobs that arrive meanwhile waiting for it. Every
-    token is stamped with `version` (an engine that stamps its own, async_rollouts', keeps its stamps). Before
-    start() and after stop(), call(fn) runs fn in the caller's thread.
+    """The engine thread. submit(prompt, params) queues a Job; call(fn) runs fn() once no job is
+    running (a weight push, the weight-sync gate's generate, sleep / wake_up), the jobs that arrive
+    meanwhile waiting for it. Every token is stamped with `version` (an engine that stamps its own,
+    async_rollouts', keeps its stamps). Before start() and after stop(), call(fn) runs fn in the
+    caller's thread.
 
-    threads: torch's CPU threads on the engine thread (None: those of the thread that calls start(), a trainer's
-    `threads`). OpenMP counts threads per thread, so a new thread would start with the machine's count, and a
-    different count rounds the model's matrix products differently: the same count as the trainer's own engine
-    calls keeps a lone request bit-equal to them."""
+    threads: torch's CPU threads on the engine thread (None: those of the thread that calls start(),
+    a trainer's `threads`). OpenMP counts threads per thread, so a new thread would start with the
+    machine's count, and a different count rounds the model's matrix products differently: the same
+    count as the trainer's own engine calls keeps a lone request bit-equal to them."""
 
     def __init__(self, engine, threads: int | None = None, gather_s: float = GATHER_S):
         self.engine, self.version, self.threads, self.gather_s = engine, 0, threads, gather_s
@@ -296,7 +355,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.commands: deque[tuple[Callable, Future]] = deque()
         self.thread: threading.Thread | None = None
-        self.inline = threading.Lock()                  # call() without the thread: one at a time
+        self.inline = threading.Lock()  # call() without the thread: one at a time
 
     def start(self):
         if self.thread is None:
@@ -323,7 +382,8 @@ class Scheduler:
         return job
 
     def cancel(self, job: Job):
-        """The job's client left: drop it (no result) if it still waits, else at the next token boundary."""
+        """The job's client left: drop it (no result) if it still waits, else at the next token
+        boundary."""
         with self.cond:
             job.cancelled = True
             if job in self.waiting:
@@ -342,8 +402,12 @@ class Scheduler:
         return future.result()
 
     def stamp(self, gens: list[Generation]) -> list[Generation]:
-        return [replace(g, versions=list(g.versions) if g.versions else [self.version] * len(g.token_ids))
-                for g in gens]
+        return [
+            replace(
+                g, versions=list(g.versions) if g.versions else [self.version] * len(g.token_ids)
+            )
+            for g in gens
+        ]
 
     def _finish(self, job: Job, gens: list[Generation]):
         resolve(job.future, self.stamp(gens))
@@ -352,18 +416,19 @@ class Scheduler:
         return self.batch is not None and bool(self.batch.rows)
 
     def _next(self) -> tuple[tuple | None, list[Job]]:
-        """What the loop does next: (a command, []) once the batch is empty, else (None, the jobs to admit)."""
+        """What the loop does next: (a command, []) once the batch is empty, else (None, the jobs to
+        admit)."""
         with self.cond:
             while not (self.stopping or self.commands or self.waiting or self._busy()):
                 self.cond.wait()
             if self.stopping:
                 return None, []
-            if self.commands:                           # no admission until it has run: the batch drains
+            if self.commands:  # no admission until it has run: the batch drains
                 return (self.commands.popleft() if not self._busy() else None), []
             if self.batch is None:
                 return None, [self.waiting.popleft()]
-            if not self._busy():                        # an idle engine: let the requests that arrive together
-                self._gather()                          # start together (one prefill, not one per arrival)
+            if not self._busy():  # an idle engine: let the requests that arrive together
+                self._gather()  # start together (one prefill, not one per arrival)
             jobs, room = [], self.batch.room()
             while self.waiting and self.waiting[0].params.n <= room:
                 room -= self.waiting[0].params.n
@@ -371,7 +436,8 @@ class Scheduler:
             return None, jobs
 
     def _gather(self):
-        """Wait while requests keep arriving: until none came for gather_s, GATHER_ROUNDS times at most."""
+        """Wait while requests keep arriving: until none came for gather_s, GATHER_ROUNDS times at
+        most."""
         for _ in range(GATHER_ROUNDS):
             seen = len(self.waiting)
             self.cond.wait(self.gather_s)
@@ -379,7 +445,7 @@ class Scheduler:
                 return
 
     def _loop(self):
-        torch.set_num_threads(self.threads)             # OpenMP's count is per thread: set it in this one
+        torch.set_num_threads(self.threads)  # OpenMP's count is per thread: set it in this one
         while True:
             command, jobs = self._next()
             if self.stopping:
@@ -388,7 +454,7 @@ class Scheduler:
                 fn, future = command
                 try:
                     future.set_result(fn())
-                except BaseException as e:             # the caller gets it
+                except BaseException as e:  # the caller gets it
                     future.set_exception(e)
             elif self.batch is None:
                 self._alone(jobs[0])
@@ -398,7 +464,8 @@ class Scheduler:
                         self.batch.admit(jobs)
                     if self.batch.rows:
                         self.batch.step()
-                except Exception as e:                 # a failed forward: every job in the batch fails, not the loop
+                except Exception as e:
+                    # a failed forward: every job in the batch fails, not the loop
                     for job in jobs:
                         resolve(job.future, error=e)
                     self.batch.reset(e)

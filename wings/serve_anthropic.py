@@ -1,7 +1,8 @@
-"""serve_anthropic.py: Anthropic's Messages API (POST /v1/messages) as a dialect of serve.py's chat endpoint: a
-request is translated into the OpenAI chat request serve.Server already serves, and the reply (or its stream of
-events) back. So a Messages request is rendered by the same chat format, sampled by the same engine call and
-captured in the same records as a chat completion (a wing of serve.py's).
+"""serve_anthropic.py: Anthropic's Messages API (POST /v1/messages) as a dialect of serve.py's chat
+endpoint: a request is translated into the OpenAI chat request serve.Server already serves, and the
+reply (or its stream of events) back. So a Messages request is rendered by the same chat format,
+sampled by the same engine call and captured in the same records as a chat completion (a wing of
+serve.py's).
 
     https://docs.anthropic.com/en/api/messages            the request and the reply
     https://docs.anthropic.com/en/api/messages-streaming  the events of stream=true
@@ -9,30 +10,36 @@ captured in the same records as a chat completion (a wing of serve.py's).
 What maps to what:
   system (a string or text blocks)          -> the system message
   user text blocks                          -> a user message (consecutive text blocks joined)
-  user tool_result blocks                   -> tool messages, in order (their text; is_error is not rendered)
-  assistant text + tool_use blocks          -> an assistant message with tool_calls, arguments = json of `input`
-  tools [{name, description, input_schema}] -> [{"type": "function", "function": {name, description, parameters}}]
-  stop_sequences, metadata.user_id          -> stop, the session (as OpenAI's `user`)
-  the reply: its text, then one tool_use block per tool call (`input` the parsed arguments); stop_reason tool_use,
-  max_tokens, stop_sequence or end_turn.
-Refused (400): images and documents, thinking blocks and `thinking` other than disabled, tool_choice other than
-auto, server tools (a `type` other than custom). `seed` is accepted as an extension (Anthropic has none), so a test
-or a trainer can ask for a seeded sample. Errors on this endpoint are Anthropic's error object.
+  user tool_result blocks                   -> tool messages, in order (their text; is_error is not
+  rendered) assistant text + tool_use blocks          -> an assistant message with tool_calls,
+  arguments = json of `input` tools [{name, description, input_schema}] -> [{"type": "function",
+  "function": {name, description, parameters}}] stop_sequences, metadata.user_id          -> stop,
+  the session (as OpenAI's `user`) the reply: its text, then one tool_use block per tool call
+  (`input` the parsed arguments); stop_reason tool_use, max_tokens, stop_sequence or end_turn.
+Refused (400): images and documents, thinking blocks and `thinking` other than disabled, tool_choice
+other than auto, server tools (a `type` other than custom). `seed` is accepted as an extension
+(Anthropic has none), so a test or a trainer can ask for a seeded sample. Errors on this endpoint
+are Anthropic's error object.
 
 Imports: wings/serve_http.py (RequestError) (and the standard library).
 """
+
 import json
 
 from wings.serve_http import RequestError
 
-PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "seed")   # the same meaning in both
+# the same meaning in both
+PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "seed")
 
 
 def _blocks(content, where: str) -> list[dict]:
     """A message's content as a list of blocks (a string is one text block)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    if not (isinstance(content, list) and all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in content)):
+    if not (
+        isinstance(content, list)
+        and all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in content)
+    ):
         raise RequestError(400, f"{where} must be a string or a list of content blocks", where)
     return content
 
@@ -46,16 +53,23 @@ def _text(block: dict, where: str) -> str:
 def _tool_result(block: dict, where: str) -> dict:
     content = block.get("content", "")
     if isinstance(content, list):
-        content = "".join(_text(b, f"{where}.content") for b in _blocks(content, f"{where}.content")
-                          if b["type"] == "text" or _refuse(b, f"{where}.content"))
+        content = "".join(
+            _text(b, f"{where}.content")
+            for b in _blocks(content, f"{where}.content")
+            if b["type"] == "text" or _refuse(b, f"{where}.content")
+        )
     if not isinstance(content, str) or not isinstance(block.get("tool_use_id"), str):
         raise RequestError(400, f"{where} must have a tool_use_id and a text content", where)
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
 
 
 def _refuse(block: dict, where: str):
-    raise RequestError(400, f"{where}: {block['type']!r} blocks are not supported (text, tool_use and tool_result "
-                            "only)", where)
+    raise RequestError(
+        400,
+        f"{where}: {block['type']!r} blocks are not supported (text, tool_use and tool_result "
+        "only)",
+        where,
+    )
 
 
 def _message(m, i: int) -> list[dict]:
@@ -69,12 +83,30 @@ def _message(m, i: int) -> list[dict]:
         for j, b in enumerate(blocks):
             if b["type"] == "text":
                 text.append(_text(b, f"{where}.content[{j}]"))
-            elif b["type"] == "tool_use" and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict):
-                calls.append({"id": b.get("id"), "type": "function", "function": {
-                    "name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})
+            elif (
+                b["type"] == "tool_use"
+                and isinstance(b.get("name"), str)
+                and isinstance(b.get("input"), dict)
+            ):
+                calls.append(
+                    {
+                        "id": b.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": b["name"],
+                            "arguments": json.dumps(b["input"], ensure_ascii=False),
+                        },
+                    }
+                )
             else:
                 _refuse(b, f"{where}.content[{j}]")
-        return [{"role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}]
+        return [
+            {
+                "role": "assistant",
+                "content": "".join(text) or None,
+                **({"tool_calls": calls} if calls else {}),
+            }
+        ]
     out, text = [], []
     for j, b in enumerate(blocks):
         if b["type"] == "text":
@@ -90,21 +122,29 @@ def _tools(tools) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RequestError(400, "tools must be a list of {'name', 'description', 'input_schema'}", "tools")
+        raise RequestError(
+            400, "tools must be a list of {'name', 'description', 'input_schema'}", "tools"
+        )
     out = []
     for i, t in enumerate(tools):
         if t.get("type", "custom") != "custom":
-            raise RequestError(400, f"tools[{i}]: server tools ({t['type']!r}) are not supported", "tools")
+            raise RequestError(
+                400, f"tools[{i}]: server tools ({t['type']!r}) are not supported", "tools"
+            )
         if not isinstance(t.get("name"), str):
             raise RequestError(400, f"tools[{i}].name must be a string", "tools")
-        fn = {"name": t["name"], **({"description": t["description"]} if "description" in t else {}),
-              "parameters": t.get("input_schema", {"type": "object", "properties": {}})}
+        fn = {
+            "name": t["name"],
+            **({"description": t["description"]} if "description" in t else {}),
+            "parameters": t.get("input_schema", {"type": "object", "properties": {}}),
+        }
         out.append({"type": "function", "function": fn})
     return out
 
 
 def to_chat(body: dict) -> tuple[dict, str | None]:
-    """A Messages request -> (the chat request that serve.Server serves, the session named by metadata.user_id)."""
+    """A Messages request -> (the chat request that serve.Server serves, the session named by
+    metadata.user_id)."""
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
         raise RequestError(400, "max_tokens: an integer is required", "max_tokens")
     messages = body.get("messages")
@@ -112,12 +152,17 @@ def to_chat(body: dict) -> tuple[dict, str | None]:
         raise RequestError(400, "messages must be a non-empty list of messages", "messages")
     system = body.get("system")
     if system is not None:
-        system = "".join(_text(b, "system") for b in _blocks(system, "system") if b["type"] == "text"
-                         or _refuse(b, "system"))
+        system = "".join(
+            _text(b, "system")
+            for b in _blocks(system, "system")
+            if b["type"] == "text" or _refuse(b, "system")
+        )
     if (body.get("thinking") or {"type": "disabled"}).get("type") != "disabled":
         raise RequestError(400, "thinking is not supported by this server", "thinking")
     if (body.get("tool_choice") or {"type": "auto"}).get("type") != "auto":
-        raise RequestError(400, "tool_choice other than auto is not supported by this server", "tool_choice")
+        raise RequestError(
+            400, "tool_choice other than auto is not supported by this server", "tool_choice"
+        )
     chat = [{"role": "system", "content": system}] if system is not None else []
     for i, m in enumerate(messages):
         chat += _message(m, i)
@@ -125,8 +170,12 @@ def to_chat(body: dict) -> tuple[dict, str | None]:
     session = metadata.get("user_id") if isinstance(metadata, dict) else None
     stop = body.get("stop_sequences")
     out = {k: body[k] for k in PASSED if k in body}
-    return {**out, "messages": chat, "tools": _tools(body.get("tools")),
-            **({"stop": stop} if stop is not None else {})}, session
+    return {
+        **out,
+        "messages": chat,
+        "tools": _tools(body.get("tools")),
+        **({"stop": stop} if stop is not None else {}),
+    }, session
 
 
 def stop_reason(choice: dict, stop_text: str | None) -> str:
@@ -138,20 +187,36 @@ def stop_reason(choice: dict, stop_text: str | None) -> str:
 
 
 def content_blocks(message: dict) -> list[dict]:
-    """An OpenAI assistant message -> its Messages content: the text, then a tool_use block per call."""
+    """An OpenAI assistant message -> its Messages content: the text, then a tool_use block per
+    call."""
     text = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-    return text + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                    "input": json.loads(c["function"]["arguments"])} for c in message.get("tool_calls") or []]
+    return text + [
+        {
+            "type": "tool_use",
+            "id": c["id"],
+            "name": c["function"]["name"],
+            "input": json.loads(c["function"]["arguments"]),
+        }
+        for c in message.get("tool_calls") or []
+    ]
 
 
 def message(reply: dict, stop_text: str | None) -> dict:
     """A chat completion (one choice) -> the Messages reply."""
     choice = reply["choices"][0]
-    return {"id": "msg_" + reply["id"].split("-")[-1], "type": "message", "role": "assistant",
-            "model": reply["model"], "content": content_blocks(choice["message"]),
-            "stop_reason": stop_reason(choice, stop_text), "stop_sequence": stop_text,
-            "usage": {"input_tokens": reply["usage"]["prompt_tokens"],
-                      "output_tokens": reply["usage"]["completion_tokens"]}}
+    return {
+        "id": "msg_" + reply["id"].split("-")[-1],
+        "type": "message",
+        "role": "assistant",
+        "model": reply["model"],
+        "content": content_blocks(choice["message"]),
+        "stop_reason": stop_reason(choice, stop_text),
+        "stop_sequence": stop_text,
+        "usage": {
+            "input_tokens": reply["usage"]["prompt_tokens"],
+            "output_tokens": reply["usage"]["completion_tokens"],
+        },
+    }
 
 
 def _event(kind: str, data: dict) -> bytes:
@@ -159,27 +224,54 @@ def _event(kind: str, data: dict) -> bytes:
 
 
 class Events:
-    """The server-sent events of a streamed Messages reply (one choice): message_start, then a text block fed
-    delta by delta, then the tool_use blocks and message_delta / message_stop once the reply is known. The same
-    calls as serve.py's ChatChunks: start, text, end, done."""
+    """The server-sent events of a streamed Messages reply (one choice): message_start, then a text
+    block fed delta by delta, then the tool_use blocks and message_delta / message_stop once the
+    reply is known. The same calls as serve.py's ChatChunks: start, text, end, done."""
 
     def __init__(self, reply_id: str, model: str, prompt_tokens: int):
-        self.id, self.model, self.prompt_tokens = "msg_" + reply_id.split("-")[-1], model, prompt_tokens
-        self.blocks = 0                     # content blocks opened
+        self.id, self.model, self.prompt_tokens = (
+            "msg_" + reply_id.split("-")[-1],
+            model,
+            prompt_tokens,
+        )
+        self.blocks = 0  # content blocks opened
         self.text_open = False
 
     def start(self, n: int) -> list[bytes]:
-        return [_event("message_start", {"message": {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}}), _event("ping", {})]
+        return [
+            _event(
+                "message_start",
+                {
+                    "message": {
+                        "id": self.id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": self.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+                    }
+                },
+            ),
+            _event("ping", {}),
+        ]
 
     def text(self, i: int, delta: str) -> list[bytes]:
         out = []
         if not self.text_open:
-            out.append(_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+            out.append(
+                _event(
+                    "content_block_start",
+                    {"index": 0, "content_block": {"type": "text", "text": ""}},
+                )
+            )
             self.text_open, self.blocks = True, 1
-        return out + [_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})]
+        return out + [
+            _event(
+                "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}}
+            )
+        ]
 
     def end(self, i: int, choice: dict, stop_text: str | None) -> list[bytes]:
         out = [_event("content_block_stop", {"index": 0})] if self.text_open else []
@@ -187,10 +279,22 @@ class Events:
             if block["type"] != "tool_use":
                 continue
             index, self.blocks = self.blocks, self.blocks + 1
-            out += [_event("content_block_start", {"index": index, "content_block": {**block, "input": {}}}),
-                    _event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
-                    _event("content_block_stop", {"index": index})]
+            out += [
+                _event(
+                    "content_block_start", {"index": index, "content_block": {**block, "input": {}}}
+                ),
+                _event(
+                    "content_block_delta",
+                    {
+                        "index": index,
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(block["input"], ensure_ascii=False),
+                        },
+                    },
+                ),
+                _event("content_block_stop", {"index": index}),
+            ]
         self.reason = stop_reason(choice, stop_text), stop_text
         return out
 
@@ -199,6 +303,13 @@ class Events:
         return [_event("error", {"error": e.body()["error"]})]
 
     def done(self, usage: dict) -> list[bytes]:
-        return [_event("message_delta", {"delta": {"stop_reason": self.reason[0], "stop_sequence": self.reason[1]},
-                                         "usage": {"output_tokens": usage["completion_tokens"]}}),
-                _event("message_stop", {})]
+        return [
+            _event(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": self.reason[0], "stop_sequence": self.reason[1]},
+                    "usage": {"output_tokens": usage["completion_tokens"]},
+                },
+            ),
+            _event("message_stop", {}),
+        ]
