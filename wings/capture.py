@@ -18,20 +18,18 @@ its samples, token for token (continued_sample: the prefix invariant); link() gi
 latest such call of the LINK_WINDOW before it (Call.parent_call) and the sample (Call.parent).
 session_trajectories turns the tree into rows:
   - one row per end (a call no later call continues) and per sample of it: the chain from its root,
-  first prompt
-    (mask 0), each continued completion (mask 1, with its log-probs, kept sizes, versions), the
-    tokens each next prompt adds (mask 0: tool results, user turns, the <|im_end|> of a cut turn),
-    as agent.play_episodes appends them. An honest multi-turn client is one chain: one row, the
-    trajectory our agent loop builds;
+    first prompt (mask 0), each continued completion (mask 1, with its log-probs, kept sizes,
+    versions), the tokens each next prompt adds (mask 0: tool results, user turns, the <|im_end|> of
+    a cut turn), as agent.play_episodes appends them. An honest multi-turn client is one chain: one
+    row, the trajectory our agent loop builds;
   - a retried request (the client timed out and resent it: a later call has the same prompt ids)
-  that nothing
-    continues is an orphan: dropped, counted in serve/orphans; the resend's chain is trained;
+    that nothing continues is an orphan: dropped, counted in serve/orphans; the resend's chain
+    is trained;
   - n > 1 with the client continuing one choice: the row holds that choice; the others are
-  serve/unused_samples;
+    serve/unused_samples;
   - a side call (a title or a summary request that neither continues nor is continued) and a
-  rewritten history (the
-    client dropped a think block, edited a message) start chains of their own: each its own row
-    (serve/branched 1).
+    rewritten history (the client dropped a think block, edited a message) start chains of their
+    own: each its own row (serve/branched 1).
 Rows hold only ids the engine saw or sampled. Rewards are 0: the server does not know them.
 
 Imports: env.py (Task), agent.py (Trajectory) (and the standard library).
@@ -64,8 +62,8 @@ class Sample:
 
 @dataclass
 class Call:
-    """One request: its prompt ids and its n samples, with the earlier call of the session it
-    continues."""
+    """One request: its prompt ids and its n samples, with the earlier call of the session
+    it continues."""
 
     endpoint: str  # "chat" | "completions" | "messages"
     prompt_ids: list[int]  # (P,) the ids the engine was given
@@ -79,8 +77,8 @@ class Call:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Call":
-        """A Call from its JSON (GET /v1/sessions/ID), for a trainer reading a remote server's
-        capture."""
+        """A Call from its JSON (GET /v1/sessions/ID), for a trainer reading a remote
+        server's capture."""
         return cls(**{**d, "samples": [Sample(**s) for s in d["samples"]]})
 
 
@@ -141,8 +139,8 @@ class Capture:
         self.swept = clock()
 
     def reserve(self, session: str | None) -> Slot:
-        """The next place in `session`, in serving order (call it in the order the calls reach the
-        engine)."""
+        """The next place in `session`, in serving order (call it in the order the calls reach
+        the engine)."""
         with self.lock:
             now = self.clock()
             self._expire(now)
@@ -187,8 +185,8 @@ class Capture:
             return link([c for c in entry.calls if c is not None]) if entry else []
 
     def pop(self, session: str) -> list[Call]:
-        """A session's calls (as calls()), forgotten here (what a trainer does once it has taken
-        them)."""
+        """A session's calls (as calls()), forgotten here (what a trainer does once it has
+        taken them)."""
         with self.lock:
             entry = self.sessions.pop(session, None)
             return link([c for c in entry.calls if c is not None]) if entry else []

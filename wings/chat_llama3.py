@@ -1,28 +1,31 @@
-"""chat_llama3.py: the Llama 3.1 / 3.2 Instruct chat format and its JSON tool calls, a wing of
-chat.py.
+"""chat_llama3.py: the Llama 3.1 / 3.2 Instruct chat format and its JSON tool calls, a wing
+of chat.py.
 
 Turned on by `rollout.agent.chat_format=llama3`; chat.py reaches this file by name through its
 format table (chat.WING_FORMATS), so a run in a Qwen format never imports it. It gives chat.py what
 a format needs:
   render(messages, tools)          -> the prompt text, byte-equal to the chat_template that Llama
-  3.1 and 3.2
-                                      Instruct checkpoints ship in tokenizer_config.json (tested
-                                      against jinja2);
-  render_continuation(obs)         -> the text one observation adds after an assistant turn's end
-  token; parse_tool_calls(text)           -> Llama's JSON calls, with chat.py's guarantees (never
-  raises, repairs, bounded); parse_assistant_message(text)    -> the OpenAI-style message that
-  render() writes back as `text`; TURN_ENDS, SPECIAL_TOKENS        -> the tokens that end a turn,
-  and those a tokenizer of this format needs.
+                                      3.1 and 3.2 Instruct checkpoints ship in tokenizer_config.json
+                                      (tested against jinja2);
+  render_continuation(obs)         -> the text one observation adds after an assistant turn's
+                                      end token;
+  parse_tool_calls(text)           -> Llama's JSON calls, with chat.py's guarantees (never raises,
+                                      repairs, bounded);
+  parse_assistant_message(text)    -> the OpenAI-style message that render() writes back as `text`;
+  TURN_ENDS, SPECIAL_TOKENS        -> the tokens that end a turn, and those a tokenizer of this
+                                      format needs.
 
-The format (Meta's "Llama 3.1 prompt format", JSON tool calling with the tools in the first user
-message):
+The format (Meta's "Llama 3.1 prompt format", JSON tool calling with the tools in the first
+user message):
   <|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n
-  Environment: ipython\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul
-  2024\\n\\n{system}<|eot_id|> <|start_header_id|>user<|end_header_id|>\\n\\nGiven the following
-  functions, ... {each tool as indented JSON} {first user
-  message}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n {"name": "python_eval",
-  "parameters": {"code": "2 + 3"}}<|eot_id|>
-  <|start_header_id|>ipython<|end_header_id|>\\n\\n"5"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n
+  Environment: ipython\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n
+  {system}<|eot_id|>
+  <|start_header_id|>user<|end_header_id|>\\n\\n
+  Given the following functions, ... {each tool as indented JSON}
+  {first user message}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n
+  {"name": "python_eval", "parameters": {"code": "2 + 3"}}<|eot_id|>
+  <|start_header_id|>ipython<|end_header_id|>\\n\\n"5"<|eot_id|>
+  <|start_header_id|>assistant<|end_header_id|>\\n\\n
 A tool call is the whole assistant message: one JSON object {"name", "parameters"}, no tags around
 it. Tool results come back in the `ipython` role. Every turn ends with <|eot_id|>; a model may
 instead end a tool-call turn with <|eom_id|> ("end of message": Meta's models do so in ipython mode,
@@ -32,15 +35,13 @@ closed with <|eot_id|>, the first of them.
 Where we follow the shipped template rather than the prose of Meta's page (so that what is trained
 is what vLLM's chat endpoint renders for the checkpoint):
   - the date: the template's own fixed "26 Jul 2024" (Llama 3.1's default; Llama 3.2's template
-  writes today's
-    date when the renderer offers strftime_now). A date that moved every day would change the
-    prompt's tokens from one day to the next, so a resumed run or an evaluation would not see what
-    the run saw. render()'s `date_string` sets another;
-  - each message's content is trimmed (leading and trailing whitespace dropped), as the template
-  does;
+    writes today's date when the renderer offers strftime_now). A date that moved every day would
+    change the prompt's tokens from one day to the next, so a resumed run or an evaluation would not
+    see what the run saw. render()'s `date_string` sets another;
+  - each message's content is trimmed (leading and trailing whitespace dropped), as the
+    template does;
   - a tool result is written with tojson, so a string result "5" is written "5" with its quotes
-  (jinja counts a
-    string as iterable); Meta's prose shows it bare.
+    (jinja counts a string as iterable); Meta's prose shows it bare.
 Where we depart from the template (it raises or writes nonsense there): arguments given as a JSON
 string (OpenAI style) are decoded and written as the object, as vLLM decodes them before rendering;
 an empty tool list is no tools; a role other than system / user / assistant / tool / ipython,
@@ -48,8 +49,8 @@ several calls in one message, or tools with no first user message to carry them 
 with what was wrong.
 
 Docs: docs/chat_formats.md.
-Imports: env.py, tool_calls.py (its lenient JSON reader and the parser's bounds) (and the standard
-library).
+Imports: env.py, tool_calls.py (its lenient JSON reader and the parser's bounds) (and the
+standard library).
 """
 
 import json
@@ -74,9 +75,11 @@ SPECIAL_TOKENS = [BEGIN_OF_TEXT, END_OF_TEXT, PAD, HEADER_START, HEADER_END, EOM
 DATE = "26 Jul 2024"  # "Today Date" of the system block (see the module docstring)
 KNOWLEDGE_CUTOFF = "December 2023"
 _TOOLS_PREAMBLE = (
-    "Given the following functions, please respond with a JSON for a function call with its proper "
-    'arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, '
-    '"parameters": dictionary of argument name and its value}.Do not use variables.\n\n'
+    "Given the following functions, please respond with a JSON for a function call with its "
+    "proper arguments that best answers the given prompt.\n\n"
+    "Respond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.'
+    "Do not use variables.\n\n"
 )
 
 
@@ -205,15 +208,15 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     Never raises. Returns the calls that could be read, in order, and a description of everything
     malformed, None when all is well formed: invalid JSON (repaired or not, or cut short), a missing
     or blank name, arguments that are not an object, text before or after the call, several calls in
-    one message. Text that holds no call
-    -> ([], None). "parameters" (Llama) and "arguments" (OpenAI, Qwen) are both accepted as well
-    formed; unknown tool names parse: the env reports them.
+    one message. Text that holds no call -> ([], None). "parameters" (Llama) and "arguments"
+    (OpenAI, Qwen) are both accepted as well formed; unknown tool names parse: the env reports them.
     """
     problems = (
         []
         if len(text) <= MAX_PARSE_CHARS
         else [
-            f"message longer than {MAX_PARSE_CHARS} characters: only its start was read for a tool call"
+            f"message longer than {MAX_PARSE_CHARS} characters: "
+            "only its start was read for a tool call"
         ]
     )
     body = text[:MAX_PARSE_CHARS].strip()

@@ -1,23 +1,23 @@
 """cluster.py: everything Ray: rollout workers and env workers in a placement group, the dispatchers
-that play a batch of episodes on them, the object-store weight push, and the learner's ranks as Ray
-actors.
+that play a batch of episodes on them, the object-store weight push, and the learner's ranks as
+Ray actors.
 
 Two independent uses, each off unless asked for:
   rollouts   `ray.rollout_workers=M`: start_ray_rollouts starts M RolloutWorker actors (an engine,
-  the tokenizer and
-             the envs each; rollout.make_engine builds the engine) and optionally EnvWorker actors
-             for CPU-heavy env work. RayRollouts answers the calls of agent.LocalRollouts (play,
-             generate, update_weights, sleep, wake_up, shutdown), so train.py drives either without
-             asking which. A dispatcher (async_batch, async_batch_bounded, async_pipeline) spreads a
-             batch over the workers in chunks of `chunk_groups` task groups; chunk c is played with
-             the seed mix_seed(seed, its first group), so whichever worker plays it, and whatever
-             the schedule, the trajectories are the same: the dispatchers differ only in time.
-             Weights reach the workers through the object store: one ray.put of numpy arrays, read
-             zero-copy by every worker on the node (torch tensors would be pickled on the way).
+             the tokenizer and the envs each; rollout.make_engine builds the engine) and optionally
+             EnvWorker actors for CPU-heavy env work. RayRollouts answers the calls of
+             agent.LocalRollouts (play, generate, update_weights, sleep, wake_up, shutdown), so
+             train.py drives either without asking which. A dispatcher (async_batch,
+             async_batch_bounded, async_pipeline) spreads a batch over the workers in chunks of
+             `chunk_groups` task groups; chunk c is played with the seed mix_seed(seed, its first
+             group), so whichever worker plays it, and whatever the schedule, the trajectories are
+             the same: the dispatchers differ only in time. Weights reach the workers through the
+             object store: one ray.put of numpy arrays, read zero-copy by every worker on the node
+             (torch tensors would be pickled on the way).
   launching  `ray.learner_workers=N`: launch_on_ray starts N LearnerRank actors, each setting
-  torchrun's variables
-             and running the same entry point (train.main) as one rank: `ray job submit -- python
-             train.py ...` trains exactly as `torchrun --nproc_per_node N train.py ...` does.
+             torchrun's variables and running the same entry point (train.main) as one rank: `ray
+             job submit -- python train.py ...` trains exactly as `torchrun --nproc_per_node N
+             train.py ...` does.
 
 A wing: train.py reaches it by name (rollout.wing) when ray.rollout_workers or ray.learner_workers
 is set; its settings are config.RayConfig, checked by check_config (config.WING_CHECKS). `ray` is
@@ -57,8 +57,8 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray
 
 
 def check_config(cfg) -> list:
-    """config.WING_CHECKS' hook: the ray section, checked at load before anything is built -> its
-    choices."""
+    """config.WING_CHECKS' hook: the ray section, checked at load before anything is built ->
+    its choices."""
     ray_cfg = cfg.ray
     if (
         ray_cfg.learner_workers < 0
@@ -111,8 +111,8 @@ def check_config(cfg) -> list:
 
 @dataclass
 class WorkerSpec:
-    """What a RolloutWorker builds itself from, in its own process (the spec is pickled to the
-    actor)."""
+    """What a RolloutWorker builds itself from, in its own process (the spec is pickled to
+    the actor)."""
 
     model_dir: str  # Hugging Face folder: config.json, tokenizer.json, *.safetensors
     envs: list[tuple[str, dict]]  # (name, env.make_env kwargs) of every env a task may come from
@@ -133,8 +133,8 @@ class NumpyWeights:
 
     @staticmethod
     def from_torch(state_dict: dict[str, torch.Tensor]) -> "NumpyWeights":
-        """The tensors as arrays sharing their memory (a copy only for a tensor off the CPU or not
-        contiguous)."""
+        """The tensors as arrays sharing their memory (a copy only for a tensor off the CPU or
+        not contiguous)."""
         arrays, bf16 = {}, []
         for name, t in state_dict.items():
             t = t.detach().cpu().contiguous()
@@ -145,8 +145,8 @@ class NumpyWeights:
         return NumpyWeights(arrays, tuple(bf16))
 
     def to_torch(self) -> dict[str, torch.Tensor]:
-        """Tensors that share the arrays' memory (read-only in the object store: engines copy out of
-        them)."""
+        """Tensors that share the arrays' memory (read-only in the object store: engines copy out
+        of them)."""
         with warnings.catch_warnings():  # "the given NumPy array is not writable": we only read
             warnings.simplefilter("ignore", UserWarning)
             out = {name: torch.from_numpy(a) for name, a in self.arrays.items()}
@@ -211,8 +211,8 @@ class RolloutWorker:
         seed: int,
         agent: AgentConfig | None = None,
     ) -> list[Trajectory]:
-        """The pipeline's middle stage: agent.play_episodes on an EnvWorker's init_episodes
-        output."""
+        """The pipeline's middle stage: agent.play_episodes on an EnvWorker's
+        init_episodes output."""
         t0 = time.perf_counter()
         try:
             step_many = self.step_many or (lambda calls: step_envs(self.envs, calls))
@@ -234,13 +234,13 @@ class RolloutWorker:
         return self.engine.generate(prompts, params)
 
     def update_weights(self, weights: NumpyWeights):
-        """Copy pushed weights into the engine (Ray resolves push_weights' object ref to the shared
-        arrays)."""
+        """Copy pushed weights into the engine (Ray resolves push_weights' object ref to the
+        shared arrays)."""
         self.engine.update_weights(weights.to_torch())
 
     def use_env_workers(self, env_workers: list):
-        """Run env steps on these EnvWorker actors from now on (an EnvPool), or in this process for
-        []."""
+        """Run env steps on these EnvWorker actors from now on (an EnvPool), or in this process
+        for []."""
         self.step_many = EnvPool(env_workers) if env_workers else None
 
     def sleep(self):
@@ -270,15 +270,15 @@ class EnvWorker:
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
 
     def step(self, calls: list[tuple[str, object, Action]]) -> list[StepResult]:
-        """agent.step_envs here: an env that raises comes back as that call's error, exactly as
-        in-process."""
+        """agent.step_envs here: an env that raises comes back as that call's error, exactly
+        as in-process."""
         return step_envs(self.envs, calls)
 
     def init_episodes(
         self, tasks: list[Task], seed: int, agent: AgentConfig
     ) -> tuple[list[Trajectory], list]:
-        """The pipeline's first stage: agent.init_episodes (env.reset, first prompts rendered and
-        encoded)."""
+        """The pipeline's first stage: agent.init_episodes (env.reset, first prompts rendered
+        and encoded)."""
         return init_episodes(self.envs, tasks, self.tokenizer, agent, seed)
 
     def finish_episodes(self, trajs: list[Trajectory], judge_weight: float) -> list[Trajectory]:
@@ -359,8 +359,8 @@ def start_env_workers(envs: dict[str, Env], model_dir: str, n: int, cpus: float 
 
 def push_weights(workers: list, state_dict: dict[str, torch.Tensor]) -> float:
     """Send the learner's weights to every worker -> seconds taken. One ray.put: the workers of a
-    node read the same arrays in its object store (no copy per worker until the engine copies them
-    in)."""
+    node read the same arrays in its object store (no copy per worker until the engine copies
+    them in)."""
     import ray
 
     t0 = time.perf_counter()
@@ -371,8 +371,8 @@ def push_weights(workers: list, state_dict: dict[str, torch.Tensor]) -> float:
 
 @dataclass
 class DispatchStats:
-    """How one dispatch went; metrics() gives train.py's dispatch/* (see the README's metrics
-    table)."""
+    """How one dispatch went; metrics() gives train.py's dispatch/* (see the README's
+    metrics table)."""
 
     kind: str  # the dispatcher
     wall_seconds: float  # first submit to last result
@@ -384,8 +384,8 @@ class DispatchStats:
 
     @property
     def idle_fraction(self) -> float:
-        """Mean over rollout workers of 1 - busy / wall: the share of the dispatch a worker
-        waited."""
+        """Mean over rollout workers of 1 - busy / wall: the share of the dispatch a
+        worker waited."""
         return sum(1 - b / max(self.wall_seconds, 1e-9) for b in self.busy_seconds) / max(
             len(self.busy_seconds), 1
         )
@@ -417,20 +417,19 @@ def dispatch(
 ) -> tuple[list[Trajectory], DispatchStats]:
     """Play every task's group on the rollout workers -> (trajectories group-major, as run_episodes
     would number them, and DispatchStats). The unit of work is a chunk of `chunk_groups` tasks,
-    played with mix_seed(seed, first group). The dispatchers (the names of SkyRL's "Toy Math Agent"
-    example):
+    played with mix_seed(seed, first group). The dispatchers (the names of SkyRL's
+    "Toy Math Agent" example):
 
-      async_batch          every chunk submitted at once, round-robin over the workers; wait for
-      all. async_batch_bounded  at most max_in_flight chunks in flight (0: one per worker); a worker
-      that finishes
-                           gets the next chunk, so fast workers take more.
+      async_batch          every chunk submitted at once, round-robin over the workers; wait
+                           for all.
+      async_batch_bounded  at most max_in_flight chunks in flight (0: one per worker); a worker that
+                           finishes gets the next chunk, so fast workers take more.
       async_pipeline       init (EnvWorker: env.reset + prompts) -> run (RolloutWorker: generation
-      and tool
-                           loop) -> evaluate (EnvWorker: the judge) as stages with queues between
-                           them, each on its own actors, so chunk i+1's init overlaps chunk i's run
-                           and chunk i-1's evaluate. Needs env_workers: the first half run init, the
-                           rest evaluate (one worker does both). At most max_in_flight chunks (0:
-                           two per worker) between init and evaluate.
+                           and tool loop) -> evaluate (EnvWorker: the judge) as stages with queues
+                           between them, each on its own actors, so chunk i+1's init overlaps chunk
+                           i's run and chunk i-1's evaluate. Needs env_workers: the first half run
+                           init, the rest evaluate (one worker does both). At most max_in_flight
+                           chunks (0: two per worker) between init and evaluate.
 
     `agent` overrides the workers' AgentConfig (eval: n_samples=1; the pipeline needs it to split
     the stages).
@@ -441,7 +440,8 @@ def dispatch(
         raise ValueError("dispatch needs at least one RolloutWorker")
     if chunk_groups < 1 or max_in_flight < 0:
         raise ValueError(
-            f"chunk_groups must be >= 1 and max_in_flight >= 0 (got {chunk_groups}, {max_in_flight})"
+            f"chunk_groups must be >= 1 and max_in_flight >= 0 "
+            f"(got {chunk_groups}, {max_in_flight})"
         )
     if kind == "async_pipeline" and (not env_workers or agent is None):
         raise ValueError(
@@ -471,11 +471,12 @@ def dispatch(
         b - b0
         for b, b0 in zip(_get([w.busy_seconds.remote() for w in workers], "a RolloutWorker"), busy0)
     ]
+    # chunk-local group ids -> the batch's
     trajs = [
         dataclasses.replace(t, group=t.group + first)
         for (first, _, _), part in zip(chunks, results)
         for t in part
-    ]  # chunk-local group ids -> the batch's
+    ]
     stats = DispatchStats(
         kind, wall, len(trajs), sum(sum(t.loss_mask) for t in trajs), busy, len(chunks), peak
     )
@@ -557,8 +558,8 @@ def _pipeline(workers, env_workers, chunks, params, judge_weight, agent, bound: 
 
 
 def _get(refs, who: str):
-    """ray.get, with a worker that died turned into an error that says so (not Ray's long actor
-    traceback)."""
+    """ray.get, with a worker that died turned into an error that says so (not Ray's long
+    actor traceback)."""
     import ray
 
     try:
@@ -574,8 +575,8 @@ class RayRollouts:
     """Rollout workers (and env workers) seen by train.py as one rollout source, answering the same
     calls as agent.LocalRollouts: play() runs a batch of tasks through the configured dispatcher,
     generate() samples on worker 0 (the weight-sync gate's probe: every worker got the same push),
-    update_weights() is push_weights to every worker, sleep()/wake_up() go to every worker's
-    engine."""
+    update_weights() is push_weights to every worker, sleep()/wake_up() go to every
+    worker's engine."""
 
     def __init__(
         self,
@@ -606,8 +607,8 @@ class RayRollouts:
         judge_weight: float = 0.0,
         agent: AgentConfig | None = None,
     ) -> tuple[list[Trajectory], dict[str, float]]:
-        """dispatch with the configured dispatcher -> (trajectories group-major, its dispatch/*
-        metrics)."""
+        """dispatch with the configured dispatcher -> (trajectories group-major, its
+        dispatch/* metrics)."""
         trajs, stats = dispatch(
             self.dispatcher,
             self.workers,
@@ -713,12 +714,12 @@ PLACEMENT_TIMEOUT_S = 300
 
 class LearnerRank:
     """One rank of the learner in a Ray actor (wrapped by ray.remote in launch_on_ray, so that
-    importing cluster.py never imports Ray). It sets torchrun's environment variables, then runs
-    entry(cfg)."""
+    importing cluster.py never imports Ray). It sets torchrun's environment variables, then
+    runs entry(cfg)."""
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it: rank 0's answer is every rank's MASTER_ADDR and
-        MASTER_PORT."""
+        """This node's IP and a port free on it: rank 0's answer is every rank's MASTER_ADDR
+        and MASTER_PORT."""
         import socket
 
         import ray
@@ -740,13 +741,14 @@ def launch_on_ray(cfg, entry) -> dict:
     ray.learner_workers=2` trains exactly as `torchrun --nproc_per_node 2 train.py ...` does. The
     entry point is an argument, so this file imports no training code. Joins the cluster at
     ray.address ("" = $RAY_ADDRESS, else a local Ray it starts and stops). If an actor fails or
-    dies, the others would wait in a collective forever: they are killed, and the error names the
-    rank."""
+    dies, the others would wait in a collective forever: they are killed, and the error names
+    the rank."""
     rc, n = cfg.ray, cfg.ray.learner_workers
     if "RANK" in os.environ:  # set by torchrun (and by us, inside an actor)
         raise ValueError(
-            f"ray.learner_workers={n} under torchrun: choose one launcher (torchrun starts the ranks "
-            "itself; ray.learner_workers=N starts them as Ray actors from one `python train.py`)"
+            f"ray.learner_workers={n} under torchrun: choose one launcher "
+            "(torchrun starts the ranks itself; "
+            "ray.learner_workers=N starts them as Ray actors from one `python train.py`)"
         )
     try:
         import ray

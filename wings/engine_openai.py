@@ -3,14 +3,13 @@ server that can also push the learner's weights into it (a wing of rollout.py).
 
 rollout.make_engine builds it by name (rollout.engine=openai). It speaks rollout.py's engine
 interface (token ids in, token ids and log-probs out, update_weights(state_dict)) against a server
-in another process or on another
-machine: it evaluates (eval.py) any server, and trains (train.py) through a server that takes new
-weights:
+in another process or on another machine: it evaluates (eval.py) any server, and trains (train.py)
+through a server that takes new weights:
   serve.py          POST /v1/weights with the state dict as safetensors bytes (bearer token:
-  rollout.api_key_env) `vllm serve`      started with VLLM_SERVER_DEV_MODE=1: the weights are
-  written to rollout.weights_dir, a folder
-                    the server reads, and the server reloads them in place (its /collective_rpc
-                    reload_weights)
+                    rollout.api_key_env)
+  `vllm serve`      started with VLLM_SERVER_DEV_MODE=1: the weights are written to
+                    rollout.weights_dir, a folder the server reads, and the server reloads them in
+                    place (its /collective_rpc reload_weights)
 After every push the server's weight version must be the one pushed, or update_weights raises; then
 train.py's weight-sync gate samples through the server like through any engine. Docs:
 docs/engines.md.
@@ -50,8 +49,8 @@ def check_config(cfg) -> list:
             )
     if rollout.api_key_env and not os.environ.get(rollout.api_key_env):
         raise ValueError(
-            f"rollout.api_key_env={rollout.api_key_env!r}: that environment variable is not set (it holds "
-            "the server's bearer token, e.g. wings/serve.py's NANO_SKYRL_SERVE_TOKEN)"
+            f"rollout.api_key_env={rollout.api_key_env!r}: that environment variable is not set "
+            "(it holds the server's bearer token, e.g. wings/serve.py's NANO_SKYRL_SERVE_TOKEN)"
         )
     return []
 
@@ -72,8 +71,8 @@ class OpenAIEngine:
     like every engine, generation stops only at the loop's stop tokens, never at the EOS ids of the
     folder's generation_config.json (which `vllm serve` stops at by default). Each prompt gets its
     own seed (row_seeds of params.seed), so a call is reproducible when the server honours seeds.
-    `api_key` goes with every request as `Authorization: Bearer` (serve.py's token; `vllm serve
-    --api-key`).
+    `api_key` goes with every request as `Authorization: Bearer` (serve.py's token;
+    `vllm serve --api-key`).
 
     Log-probs are the server's. vLLM reports raw log-probs (before temperature) unless started with
     `--logprobs-mode processed_logprobs`; at temperature 1 the two are the same, at any other
@@ -212,8 +211,8 @@ class OpenAIEngine:
             and isinstance(stop_reason, int)
             and (not ids or ids[-1] != stop_reason)
         ):
-            # a server that leaves the stop token out: our contract keeps it (its log-prob is not
-            # reported)
+            # a server that leaves the stop token out: our contract keeps it
+            # (its log-prob is not reported)
             ids, logprobs, kept = ids + [stop_reason], logprobs + [0.0], None
         if not truncated:
             return Generation(list(ids), logprobs, finish)
@@ -275,8 +274,8 @@ class OpenAIEngine:
         reported = self.server_version()
         if str(reported) != str(new):
             raise RuntimeError(
-                f"the server at {self.base_url} reports weight version {reported!r} after a push of "
-                f"version {new}: it did not take the weights"
+                f"the server at {self.base_url} reports weight version {reported!r} after a push "
+                f"of version {new}: it did not take the weights"
             )
         self.version = new
 

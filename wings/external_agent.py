@@ -5,26 +5,25 @@ rollout.external_agent=path.py:function).
     python train.py --config configs/toy_math.yaml rollout.external_agent=examples/calc_agent.py:run
 
 The user's callable is run once per episode, in a thread of this process (WORKERS at once: a step's
-episodes all play together, so the server batches their requests as our agent loop batches its
-turns):
+episodes all play together, so the server batches their requests as our agent loop batches
+its turns):
 
     run(task: dict, base_url: str, session: str) -> float | str | list[float] | None
 
   task      {"id", "env", "prompt"}: the task as plain data. The reference answer is left out: the
-  agent never sees it. base_url  a serve.Server over the run's engine (http://127.0.0.1:PORT/v1),
-  which any OpenAI client can talk to
-            (Anthropic's client: the same URL without /v1). It serves whatever model name the agent
-            asks for: the policy being trained answers.
+            agent never sees it.
+  base_url  a serve.Server over the run's engine (http://127.0.0.1:PORT/v1), which any OpenAI client
+            can talk to (Anthropic's client: the same URL without /v1). It serves whatever model
+            name the agent asks for: the policy being trained answers.
   session   the episode's id, to be sent with every request, as OpenAI's `user` field, Anthropic's
             metadata.user_id or the X-Session-Id header. A request that names no session, or one not
             running now, is refused (400).
   returns   a number: the episode's reward (the agent grades itself); a string: its final answer,
-  graded here by the
-            env's own grader (env.grade_answer(task, answer), as env.step grades a finish call: the
-            reference stays with the trainer); a list of numbers: one reward per turn (per request
-            of the session that is trained: a resent request counts once), their sum the episode's
-            reward (algo.credit=turn uses them; otherwise the last turn's own credit). None, a NaN,
-            a bool or anything else: no reward.
+            graded here by the env's own grader (env.grade_answer(task, answer), as env.step grades
+            a finish call: the reference stays with the trainer); a list of numbers: one reward per
+            turn (per request of the session that is trained: a resent request counts once), their
+            sum the episode's reward (algo.credit=turn uses them; otherwise the last turn's own
+            credit). None, a NaN, a bool or anything else: no reward.
 
 What the agent may not choose: the server samples with the run's settings (rollout.temperature,
 top_p, top_k; at eval, eval_temperature), and a request that asks for other ones is refused (400)
@@ -101,13 +100,13 @@ def check_config(cfg) -> list:
         )
     if cfg.rollout.async_rollouts or cfg.ray.rollout_workers:
         raise ValueError(
-            "rollout.external_agent runs your agent in this process, one batch at a time: it cannot go "
-            "with rollout.async_rollouts or ray.rollout_workers"
+            "rollout.external_agent runs your agent in this process, one batch at a time: "
+            "it cannot go with rollout.async_rollouts or ray.rollout_workers"
         )
     if cfg.rollout.engine == "openai":
         raise ValueError(
-            "rollout.external_agent trains the engine it serves in this process: rollout.engine must be "
-            "torch or vllm, not openai"
+            "rollout.external_agent trains the engine it serves in this process: "
+            "rollout.engine must be torch or vllm, not openai"
         )
     return []
 
@@ -301,8 +300,8 @@ def _reward_like(result):
 def agent_process_main(spec: str, timeout_s: float, workers: int, fd: int):
     """The agents' process: the callable loaded from its file, each batch of episodes run as
     run_callables runs them (a timeout reported as it happens, so the trainer closes its session
-    then), the outcomes sent back over the connection `fd`; it ends when the trainer says so or goes
-    away."""
+    then), the outcomes sent back over the connection `fd`; it ends when the trainer says so or
+    goes away."""
     conn = multiprocessing.connection.Connection(fd)
     fn = load_agent(spec)
     try:
@@ -484,8 +483,8 @@ class ExternalRollouts:
             engine, tokenizer, cfg.rollout.agent.chat_format, cfg.rollout.agent.max_total_tokens
         )
         self.url = self.server.start()
-        # the callable named by the config runs in a process of its own; one passed in (a test's) in
-        # threads here
+        # the callable named by the config runs in a process of its own; one passed in (a test's)
+        # in threads here
         self.process = (
             AgentProcess(cfg.rollout.external_agent, self.timeout_s) if fn is None else None
         )

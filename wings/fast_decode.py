@@ -1,5 +1,5 @@
-"""fast_decode.py: the torch engine's fast decode step, a wing of rollout.py (rollout.decode=fast or
-compiled).
+"""fast_decode.py: the torch engine's fast decode step, a wing of rollout.py (rollout.decode=fast
+or compiled).
 
 rollout.TorchEngine decodes one token per step through model.py's forward: every sample of a group
 reads its own copy of the group's prompt keys and values, each layer is a dozen small launches, and
@@ -7,30 +7,27 @@ torch.multinomial draws one random number per vocabulary entry. FastDecodeEngine
 (TorchEngine's _decode hook and its draw):
 
   a group's prompt read once   cascade (bifurcated) attention: the samples of a prompt share one
-  copy of its keys
-                               and values (CascadeCache: the prompt's KV memory is n-fold smaller);
-                               attention over the shared prompt is one batched matmul per group (its
-                               samples' queries side by side), over each sample's own tokens one per
-                               row, and the two are merged by the log-sum-exp rule
-                               (cascade_attention). Hydragen (Juravsky et al. 2024,
+                               copy of its keys and values (CascadeCache: the prompt's KV memory is
+                               n-fold smaller); attention over the shared prompt is one batched
+                               matmul per group (its samples' queries side by side), over each
+                               sample's own tokens one per row, and the two are merged by the
+                               log-sum-exp rule (cascade_attention). Hydragen (Juravsky et al. 2024,
                                https://arxiv.org/abs/2402.05099); bifurcated attention (Athiwaratkun
                                et al. 2024, https://arxiv.org/abs/2403.08845).
   fewer launches per token     q/k/v in one matmul and gate/up in one (FusedWeights: concatenated
-  copies of the
-                               model's weights, made again whenever a parameter changes), RoPE's
-                               angles looked up in a table made once per call with
+                               copies of the model's weights, made again whenever a parameter
+                               changes), RoPE's angles looked up in a table made once per call with
                                rotate_half's signs folded in (x cos + roll(x) sin: three ops), the
                                norms one call each (F.rms_norm), no attention mask built per step,
                                and each token drawn by the inverse CDF from one uniform per row
                                (inverse_cdf), the law of torch.multinomial.
   compiled (opt-in)            rollout.decode=compiled: decode_layer under torch.compile, compiled
-  once for every
-                               layer (dynamic shapes). On CUDA, CUDA graphs (mode="reduce-overhead")
-                               replay it over the shapes of a call, fixed: each row's own keys are
-                               read whole, the columns past its token masked. A machine without the
-                               compiler Inductor needs (a C++ compiler on a CPU, Triton on CUDA) is
-                               refused at config load and at engine build (compiler_missing), not
-                               mid-run.
+                               once for every layer (dynamic shapes). On CUDA, CUDA graphs
+                               (mode="reduce-overhead") replay it over the shapes of a call, fixed:
+                               each row's own keys are read whole, the columns past its token
+                               masked. A machine without the compiler Inductor needs (a C++ compiler
+                               on a CPU, Triton on CUDA) is refused at config load and at engine
+                               build (compiler_missing), not mid-run.
 
 The prefill stays model.py's forward. Floats: the step equals the plain one to fp32 round-off, not
 bit for bit (its sums run in another order), and its draws are other random numbers from the same
@@ -38,10 +35,10 @@ law, so a run's trajectory differs from the plain path's: off by default. The we
 with it on (tests/test_fast_decode.py), with the prefix cache (prefix_cache.py) and partial rollouts
 (async_rollouts.py). Docs: docs/performance.md.
 
-Shapes: b rows still generating, D distinct prompts they continue, n rows of a group at most, P
-prompt columns (cached
-        and prefilled), N max new tokens, t generated tokens fed so far, H hidden, nh query heads,
-        nkv key/value heads, r = nh / nkv query heads per key/value head, hd head dim, V vocab.
+Shapes: b rows still generating, D distinct prompts they continue, n rows of a group at most,
+        P prompt columns (cached and prefilled), N max new tokens, t generated tokens fed so far,
+        H hidden, nh query heads, nkv key/value heads, r = nh / nkv query heads per key/value head,
+        hd head dim, V vocab.
 Imports: rollout.py, model.py (and torch, the standard library).
 """
 
@@ -60,8 +57,8 @@ DECODES = ("plain", "fast", "compiled")  # rollout.decode's values
 
 
 def check_config(cfg) -> list:
-    """config.WING_CHECKS' hook: rollout.decode needs the torch engine, fp32 compute, and compiled a
-    compiler."""
+    """config.WING_CHECKS' hook: rollout.decode needs the torch engine, fp32 compute, and compiled
+    a compiler."""
     if cfg.rollout.decode != "plain" and cfg.rollout.engine != "torch":
         raise ValueError(
             f"rollout.decode={cfg.rollout.decode!r} is the torch engine's decode step: set "
@@ -72,8 +69,9 @@ def check_config(cfg) -> list:
         # cascade's fp32 sums do not: on the default model the gap was 0.055-0.072 against the plain
         # engine's 0.025-0.041 (limit 0.05)
         raise ValueError(
-            "rollout.decode=fast/compiled with learner.precision=bf16: the weight-sync gate's gap "
-            "grows past its 0.05 (the learner's bf16 attention rounds as the fast step's does not); "
+            "rollout.decode=fast/compiled with learner.precision=bf16: "
+            "the weight-sync gate's gap grows past its 0.05 "
+            "(the learner's bf16 attention rounds as the fast step's does not); "
             "use rollout.decode=plain, or learner.precision=fp32 (model.dtype=bfloat16 works)"
         )
     if cfg.rollout.decode == "compiled":
@@ -99,7 +97,10 @@ def compiler_missing(device: torch.device) -> str | None:
 
         get_cpp_compiler()
     except Exception as e:  # Inductor's own error names what it looked for
-        return f"torch.compile on a CPU needs a C++ compiler ({type(e).__name__}: {e}); use rollout.decode=fast"
+        return (
+            f"torch.compile on a CPU needs a C++ compiler ({type(e).__name__}: {e}); "
+            "use rollout.decode=fast"
+        )
     return None
 
 
@@ -286,8 +287,8 @@ class CascadeCache:
         self._place(rows)
 
     def _place(self, group):
-        """group (b,) -> prompts without rows leave; each group's rows take places 0, 1, ... in
-        order."""
+        """group (b,) -> prompts without rows leave; each group's rows take places 0, 1, ...
+        in order."""
         alive = torch.bincount(group, minlength=len(self.pmask)) > 0  # (D,)
         if not bool(alive.all()):
             keep = alive.nonzero().squeeze(1)
@@ -399,12 +400,14 @@ class FastDecodeEngine(TorchEngine):
             [v[:, :, : fed + 1] for v in cache.ov],
             None,
         )
-        if self.static:  # CUDA graphs: fixed shapes, the columns past this token masked, and
+        # CUDA graphs: fixed shapes, the columns past this token masked, and the buffers it writes
+        # at fixed addresses
+        if self.static:
             own_k, own_v, N = cache.ok, cache.ov, cache.ok[0].shape[2]
             mask = torch.zeros(N, dtype=cache.pmask.dtype, device=tok.device).masked_fill(
                 torch.arange(N, device=tok.device) > fed, -torch.inf
             )  # (N,)
-            for buf in own_k + own_v:  # the buffers it writes at fixed addresses
+            for buf in own_k + own_v:
                 torch._dynamo.mark_static_address(buf)
         cos, sin = self.cos[positions], self.sin[positions]  # (b, 1, hd)
         # bf16 autocast, as model.hidden_states runs it (check_config)

@@ -8,23 +8,21 @@ et al. 2023, arXiv 2306.05685: a strong model grading answers on a 1-10 scale, "
 used as a reward as in RLAIF (Lee et al. 2023, arXiv 2309.00267).
 
   - Its own model, tokenizer and chat format: the rubric is rendered with the judge's tokenizer
-  (chat.render in
-    rollout.judge.chat_format), so the judge may be any checkpoint, unrelated to the policy's.
+    (chat.render in rollout.judge.chat_format), so the judge may be any checkpoint, unrelated to
+    the policy's.
   - Any engine: torch (the folder loaded in this process, on the GPU when there is one), vllm (in
-  this process), or
-    openai (a server such as `vllm serve`, on another GPU or machine). Its own sampling parameters
-    (rollout.judge.temperature, max_tokens). Token ids in and out, like every engine (rollout.py).
+    this process), or openai (a server such as `vllm serve`, on another GPU or machine). Its own
+    sampling parameters (rollout.judge.temperature, max_tokens). Token ids in and out, like every
+    engine (rollout.py).
   - Batched: every finished episode of a batch is judged in one engine.generate call.
   - Never a crash on a bad reply: a reply that holds no readable score (parse_score says which forms
-  are read), or a
-    prompt too long for the judge's context, gets FAILURE_SCORE and is counted (Judgment.failed ->
-    rollout/judge_failures). FAILURE_SCORE is the lowest score, 0.0, so a policy can never gain by
-    making the judge's reply unreadable (e.g. by injecting text into its conversation that derails
-    the judge).
+    are read), or a prompt too long for the judge's context, gets FAILURE_SCORE and is counted
+    (Judgment.failed -> rollout/judge_failures). FAILURE_SCORE is the lowest score, 0.0, so a policy
+    can never gain by making the judge's reply unreadable (e.g. by injecting text into its
+    conversation that derails the judge).
   - Training only, like the rules of env_tau's judge: agent.finish_episodes calls a judge only when
-  judge_weight > 0,
-    and eval.py always passes 0, so a judge the policy learns to game can raise rollout/reward,
-    never eval/*.
+    judge_weight > 0, and eval.py always passes 0, so a judge the policy learns to game can raise
+    rollout/reward, never eval/*.
 
 Turned on by rollout.judge.model_path (with rollout.judge_weight > 0): train.build_rollouts builds
 it by name, rollout.wing("judge.LLMJudge").from_config(cfg), and hands it to agent.LocalRollouts,
@@ -58,8 +56,8 @@ FAILURE_SCORE = 0.0  # the score of a reply that cannot be read (the lowest: see
 # the judge's context when its folder's config.json does not say (max_position_embeddings)
 CONTEXT = 32768
 
-RUBRIC = """You are grading the work of an AI assistant that can call tools. Read the user's task and the whole \
-conversation, then rate how well the assistant solved the task.
+RUBRIC = """You are grading the work of an AI assistant that can call tools. \
+Read the user's task and the whole conversation, then rate how well the assistant solved the task.
 
 The task:
 {task}
@@ -67,8 +65,9 @@ The task:
 The conversation:
 {conversation}
 
-Rate from 0 (useless or wrong) to 10 (correct, and the tools used sensibly). Judge correctness first; do not reward \
-length or politeness. Explain briefly, then end your reply with one line of the form
+Rate from 0 (useless or wrong) to 10 (correct, and the tools used sensibly). \
+Judge correctness first; do not reward length or politeness. \
+Explain briefly, then end your reply with one line of the form
 SCORE: <an integer from 0 to 10>"""
 
 # -----------------------------------------------------------------------------
@@ -100,8 +99,8 @@ def check_rubric(rubric: str) -> str:
 
 def check_config(cfg) -> list:
     """config.WING_CHECKS' hook: every rollout.judge.* setting needs the judge on, a judge needs a
-    weight in the reward and this process's rollouts -> its choices (the engine, the chat
-    format)."""
+    weight in the reward and this process's rollouts -> its choices (the engine, the
+    chat format)."""
     jc = cfg.rollout.judge
     if not jc.model_path:
         changed = [
@@ -115,8 +114,8 @@ def check_config(cfg) -> list:
         )
     if cfg.rollout.judge_weight <= 0:
         raise ValueError(
-            "rollout.judge.model_path sets an LLM judge, but rollout.judge_weight is 0: set the weight of "
-            "its score in the reward, e.g. rollout.judge_weight=0.5"
+            "rollout.judge.model_path sets an LLM judge, but rollout.judge_weight is 0: "
+            "set the weight of its score in the reward, e.g. rollout.judge_weight=0.5"
         )
     if cfg.ray.rollout_workers:
         raise ValueError(
@@ -152,14 +151,13 @@ def parse_score(reply: str, scale: float = SCALE) -> float | None:
     """The judge's score in [0, 1] from its reply text, or None when it cannot be read. Two forms
     are read:
       1. "SCORE: x" or "SCORE: x/y" anywhere in the reply, the last one when there are several (a
-      judge that
-         reasons before concluding writes its verdict last): any case, ":" or "=", spaces and
-         markdown bold around it allowed ("**Score:** 8/10");
+         judge that reasons before concluding writes its verdict last): any case, ":" or "=", spaces
+         and markdown bold around it allowed ("**Score:** 8/10");
       2. a reply that is nothing but "x" or "x/y" (spaces around allowed).
     x and y are unsigned decimals (7, 7.5). "x/y" means x / y; a lone x is on the rubric's
     0..`scale`. Anything else is unreadable: no such form ("7 out of 10", "seven"), y = 0, or a
-    score outside [0, 1] (11/10: not clamped, a judge that breaks its scale is counted, not
-    believed)."""
+    score outside [0, 1] (11/10: not clamped, a judge that breaks its scale is counted,
+    not believed)."""
     found = _SCORE.findall(reply) or [m.groups() for m in [_BARE.fullmatch(reply)] if m]
     if not found:
         return None
@@ -208,8 +206,8 @@ class LLMJudge:
         ends = [tokenizer.token_to_id(t) for t in turn_ends(chat_format)]
         if None in ends:
             raise ValueError(
-                f"the judge's tokenizer has no {turn_ends(chat_format)}: is rollout.judge.chat_format="
-                f"{chat_format!r} its chat format?"
+                f"the judge's tokenizer has no {turn_ends(chat_format)}: "
+                f"is rollout.judge.chat_format={chat_format!r} its chat format?"
             )
         self.params = replace(params, n=1, stop_token_ids=tuple(ends))
         # prompt tokens at most: the reply must fit after them

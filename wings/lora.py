@@ -42,8 +42,8 @@ def check_config(cfg) -> list:
     lc = cfg.learner
     if lc.lora_rank < 0 or (lc.lora_rank and (lc.lora_alpha <= 0 or not lc.lora_targets)):
         raise ValueError(
-            "learner.lora_rank must be >= 0 (0: off); with LoRA on, lora_alpha > 0 and lora_targets "
-            "non-empty"
+            "learner.lora_rank must be >= 0 (0: off); "
+            "with LoRA on, lora_alpha > 0 and lora_targets non-empty"
         )
     return []
 
@@ -137,8 +137,8 @@ def _peft_name(name: str, which: str) -> str:
 
 def save_adapter(model: torch.nn.Module, path: str, base_model: str = "") -> None:
     """Write `path/adapter_model.safetensors` (PEFT names) and `path/adapter_config.json` (PEFT
-    fields). Only the adapters are gathered and written. Sharded: every rank calls it, rank 0
-    writes."""
+    fields). Only the adapters are gathered and written. Sharded: every rank calls it,
+    rank 0 writes."""
     if is_sharded(model):
         sd = get_model_state_dict(
             model,
@@ -174,8 +174,8 @@ def save_adapter(model: torch.nn.Module, path: str, base_model: str = "") -> Non
 
 def load_adapter(model: torch.nn.Module, path: str) -> torch.nn.Module:
     """Copy the adapters in `path` (save_adapter's files) into a model wrapped by apply_lora with
-    the same rank and targets. Every adapter must be present and no other name; every rank reads the
-    files."""
+    the same rank and targets. Every adapter must be present and no other name; every rank reads
+    the files."""
     with open(os.path.join(path, "adapter_config.json")) as f:
         config = json.load(f)
     if config["r"] != model.lora_config["r"] or float(config["lora_alpha"]) != float(

@@ -3,17 +3,15 @@ next turn under rollout.agent.memory (a wing of agent.py: agent.memory_policy re
 docs/memory.md).
 
   full     (agent.py itself, the default) the whole episode is one growing token sequence; an
-  episode that fills the
-           window ends "context_full".
+           episode that fills the window ends "context_full".
   window   each turn's prompt is the system prompt and the task, the last memory_turns turns, and
-  the env's state
-           line when it offers one (its step info["state_line"]: env.Env.state_line).
+           the env's state line when it offers one (its step info["state_line"]:
+           env.Env.state_line).
   summary  the episode grows as one sequence until the next turn, an observation as long as the last
-  and a summary
-           after them would not fit (or every summary_every turns); then the policy is asked, in its
-           own chat format, to summarise its progress (SUMMARY_REQUEST), and the episode goes on
-           from the system prompt, the task, that summary, the last memory_turns turns and the state
-           line. The summary is sampled by the policy: it trains like any turn.
+           and a summary after them would not fit (or every summary_every turns); then the policy is
+           asked, in its own chat format, to summarise its progress (SUMMARY_REQUEST), and the
+           episode goes on from the system prompt, the task, that summary, the last memory_turns
+           turns and the state line. The summary is sampled by the policy: it trains like any turn.
 
 Segments. A rewritten context starts a new row (agent.Trajectory.new_segment): each row holds
 exactly the prompt the engine was given and what it sampled (log-probs, versions, kept sizes),
@@ -52,15 +50,16 @@ from rollout import Generation, SamplingParams
 
 MEMORIES = ("full", "window", "summary")
 SUMMARY_REQUEST = (
-    "Your context is full. Summarize what you have done and learned so far, and what is left to do, "
-    "in a few lines. The episode then goes on from this summary and your last turns."
+    "Your context is full. "
+    "Summarize what you have done and learned so far, and what is left to do, in a few lines. "
+    "The episode then goes on from this summary and your last turns."
 )
 SUMMARY_HEAD = "Summary of your progress so far:\n"
 
 
 def check_config(cfg) -> list:
-    """config.WING_CHECKS' hook: the memory settings of rollout.agent -> its choice (the policy's
-    name)."""
+    """config.WING_CHECKS' hook: the memory settings of rollout.agent -> its choice (the
+    policy's name)."""
     agent = cfg.rollout.agent
     if agent.memory == "full" and (
         agent.memory_turns,
@@ -77,8 +76,8 @@ def check_config(cfg) -> list:
         )
     if agent.memory != "full" and cfg.rollout.external_agent:
         raise ValueError(
-            "rollout.agent.memory shapes our agent loop's prompts; with rollout.external_agent your "
-            "agent keeps its own context: leave memory=full"
+            "rollout.agent.memory shapes our agent loop's prompts; "
+            "with rollout.external_agent your agent keeps its own context: leave memory=full"
         )
     return [("rollout.agent.memory", agent.memory, MEMORIES)]
 

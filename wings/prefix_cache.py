@@ -52,8 +52,8 @@ class PrefixCache:
 
     @classmethod
     def block_hashes(cls, ids) -> list[int]:
-        """hash(ids[:BLOCK]), hash(ids[:2 BLOCK]), ...: chained, so computing them all is linear in
-        len(ids)."""
+        """hash(ids[:BLOCK]), hash(ids[:2 BLOCK]), ...: chained, so computing them all is linear
+        in len(ids)."""
         out, h = [], 0
         for s in range(cls.BLOCK, len(ids) + 1, cls.BLOCK):
             h = hash((h, tuple(ids[s - cls.BLOCK : s])))
@@ -199,8 +199,8 @@ class PrefixCachedEngine(TorchEngine):
             # weights swapped mid-call: keys of two versions
             return
         for row, (k, v, fed) in row_kv.items():
-            # the positions computed: the prompt and the sampled tokens fed back (at most the row's
-            # own tokens)
+            # the positions computed: the prompt and the sampled tokens fed back
+            # (at most the row's own tokens)
             m = min(fed, lengths[row])
             self.prefix_cache.insert(
                 list(prompts[row]) + tokens[row][:m],
@@ -215,7 +215,7 @@ class PrefixCachedEngine(TorchEngine):
         self.cache_version = None
 
     def sleep(self):
-        """Free the prefix cache: the learner may need the memory, and the weights are about to
-        change."""
+        """Free the prefix cache: the learner may need the memory, and the weights are about
+        to change."""
         super().sleep()
         self.prefix_cache.clear()

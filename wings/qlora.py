@@ -1,5 +1,5 @@
-"""qlora.py: QLoRA written out, a wing of learner.py (model.quantize=nf4, with learner.lora_rank >
-0).
+"""qlora.py: QLoRA written out, a wing of learner.py (model.quantize=nf4, with
+learner.lora_rank > 0).
 
 The frozen base of a LoRA run stored as 4-bit NormalFloat (NF4) instead of fp32/bf16, as in Dettmers
 et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (https://arxiv.org/abs/2305.14314):
@@ -31,17 +31,18 @@ ABSMAX_BLOCK = 256
 
 
 def check_config(cfg) -> list:
-    """config.WING_CHECKS' hook: model.quantize is none or nf4, and an NF4 base has LoRA adapters to
-    train."""
+    """config.WING_CHECKS' hook: model.quantize is none or nf4, and an NF4 base has LoRA adapters
+    to train."""
     if cfg.model.quantize not in ("none", "nf4"):
         raise ValueError(
-            f"model.quantize={cfg.model.quantize!r} must be 'none' or 'nf4' (4-bit NormalFloat base, "
-            "QLoRA)"
+            f"model.quantize={cfg.model.quantize!r} must be 'none' or 'nf4' "
+            "(4-bit NormalFloat base, QLoRA)"
         )
     if cfg.model.quantize == "nf4" and not cfg.learner.lora_rank:
         raise ValueError(
-            "model.quantize=nf4 freezes the base in 4 bits, so only LoRA adapters can train: set "
-            "learner.lora_rank > 0 (e.g. learner.lora_rank=16 learner.lr=2e-3), or model.quantize=none"
+            "model.quantize=nf4 freezes the base in 4 bits, so only LoRA adapters can train: "
+            "set learner.lora_rank > 0 (e.g. learner.lora_rank=16 learner.lr=2e-3), "
+            "or model.quantize=none"
         )
     return []
 
@@ -91,8 +92,8 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
 def quantize_blockwise(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax quantization to NF4, block by block: each block of `block` consecutive weights
     (row-major) is divided by its largest magnitude c and every weight takes the nearest NF4 level.
-    w: any shape, N elements with N a multiple of `block` -> (codes (N,) uint8 in [0, 16), absmax c
-    (nb,) float32)."""
+    w: any shape, N elements with N a multiple of `block` -> (codes (N,) uint8 in [0, 16),
+    absmax c (nb,) float32)."""
     x = w.detach().float().reshape(-1, block)  # (nb, block)
     absmax = x.abs().amax(dim=1)  # (nb,)
     x = x / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (nb, block) in [-1, 1]
@@ -116,9 +117,9 @@ def quantize_absmax(
     bits, in blocks of `block`. They are all positive, so their mean is subtracted first to centre
     them for a symmetric quantizer.
     Departure: the paper uses 8-bit floats (blockwise dynamic quantization); this uses symmetric
-    int8 with one fp32 scale per block, the same 8 bits, whose error is at most half a step, max|c -
-    mean| / 254, for every constant. absmax (nb,) -> (q (nb,) int8, scale (ng,) float32, mean ()
-    float32)."""
+    int8 with one fp32 scale per block, the same 8 bits, whose error is at most half a step,
+    max|c - mean| / 254, for every constant.
+    absmax (nb,) -> (q (nb,) int8, scale (ng,) float32, mean () float32)."""
     mean = absmax.mean()
     centred = absmax - mean  # (nb,)
     ng = -(-centred.numel() // block)
@@ -148,12 +149,12 @@ class NF4Weight(NamedTuple):
 
 def quantize_nf4(w: torch.Tensor) -> NF4Weight:
     """A weight (any shape; its element count a multiple of 64) -> NF4Weight. Refuses a count that
-    is not a multiple of the block rather than pad it: every projection of the supported models has
-    one."""
+    is not a multiple of the block rather than pad it: every projection of the supported models
+    has one."""
     if w.numel() % BLOCK:
         raise ValueError(
-            f"quantize_nf4: a weight of shape {tuple(w.shape)} has {w.numel()} elements, not a multiple "
-            f"of the block size {BLOCK}"
+            f"quantize_nf4: a weight of shape {tuple(w.shape)} has {w.numel()} elements, "
+            f"not a multiple of the block size {BLOCK}"
         )
     codes, absmax = quantize_blockwise(w)
     return NF4Weight(pack4(codes), *quantize_absmax(absmax))
@@ -181,8 +182,8 @@ _FIELDS = NF4Weight._fields
 
 def _store(module: torch.nn.Module, weight: torch.Tensor):
     """Quantize `weight` (out, in) into `module`'s buffers weight_codes, weight_absmax_q,
-    weight_absmax_scale, weight_absmax_mean; remember its shape and dtype (what fold_into gives
-    back)."""
+    weight_absmax_scale, weight_absmax_mean; remember its shape and dtype (what fold_into
+    gives back)."""
     q = quantize_nf4(weight)
     for field, t in zip(_FIELDS, q):
         module.register_buffer(f"weight_{field}", t)

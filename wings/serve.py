@@ -1,23 +1,23 @@
 """serve.py: an OpenAI- and Anthropic-compatible HTTP server over any of our engines that batches
-the requests in flight and records, per session, every token it samples (a wing of rollout.py and
-agent.py).
+the requests in flight and records, per session, every token it samples (a wing of rollout.py
+and agent.py).
 
-    python -m wings.serve --checkpoint runs/toy_math/final --port 8000  # a run's checkpoint or a
-    Hugging Face folder
+    # a run's checkpoint or a Hugging Face folder
+    python -m wings.serve --checkpoint runs/toy_math/final --port 8000
 
 Endpoints (https://platform.openai.com/docs/api-reference, vLLM's extensions of /v1/completions, and
 https://docs.anthropic.com/en/api/messages):
   POST /v1/chat/completions  messages + tools in OpenAI's format, rendered with chat.render, sampled
-  by the engine,
-                             tool calls parsed by chat.make_action (parse_tool_calls) and returned
-                             as `tool_calls`
+                             by the engine, tool calls parsed by chat.make_action (parse_tool_calls)
+                             and returned as `tool_calls`
   POST /v1/completions       prompts as text or token ids; token ids back (return_token_ids), as
-  `vllm serve` does,
-                             so engine_openai.OpenAIEngine is a client of this server
+                             `vllm serve` does, so engine_openai.OpenAIEngine is a client of
+                             this server
   POST /v1/messages          Anthropic's Messages API, translated into a chat request by
-  serve_anthropic.py GET  /v1/models            the one served model, with the version of its
-  weights POST /v1/weights           a trainer's push (safetensors bytes), authenticated by a bearer
-  token GET  /v1/sessions/ID       a session's records (authenticated; ?pop=1 also forgets them)
+                             serve_anthropic.py
+  GET  /v1/models            the one served model, with the version of its weights
+  POST /v1/weights           a trainer's push (safetensors bytes), authenticated by a bearer token
+  GET  /v1/sessions/ID       a session's records (authenticated; ?pop=1 also forgets them)
 OpenAI's request fields are checked, and its stream chunks written, by serve_openai.py.
 The three sampling endpoints stream with stream=true: server-sent events in the dialect's own format
 (OpenAI's chunks, tool calls as tool_call deltas, stream_options.include_usage; Anthropic's message
@@ -122,8 +122,8 @@ class Stops:
 
 @dataclass
 class Prepared:
-    """A checked request, ready for the engine: its prompts (chat: one) and how its answer is
-    built."""
+    """A checked request, ready for the engine: its prompts (chat: one) and how its answer
+    is built."""
 
     endpoint: str  # "chat" | "completions" | "messages" (Anthropic's, served as chat)
     prompts: list[list[int]]  # (k, P) the ids the engine is given
@@ -182,8 +182,8 @@ class PrefixEncoder:
         self.cache: OrderedDict[str, list[int]] = OrderedDict()
 
     def _cached(self, text: str) -> tuple[int, list[int]]:
-        """(length, ids) of the longest cached prefix among the last `candidates` turn ends and the
-        first."""
+        """(length, ids) of the longest cached prefix among the last `candidates` turn ends and
+        the first."""
         ends, at = [], text.rfind(self.boundary)
         while at >= 0 and len(ends) < self.candidates:
             ends.append(at)
@@ -598,9 +598,8 @@ class Server:
             # content: the text before the calls
             canonical = parse_assistant_message(text, self.chat_format)
             content = canonical["content"]
+            # not as render() writes them: the next turn branches
             if len(canonical.get("tool_calls", [])) != len(calls):
-                # not as render() writes them: the next
-                # turn branches
                 content = (
                     text.split(TOOL_CALL_OPEN)[0].rstrip("\n") if TOOL_CALL_OPEN in text else ""
                 )
@@ -802,8 +801,8 @@ class Server:
         return jobs
 
     async def wait(self, request: Request, jobs: list[Job]) -> list[list[Generation]]:
-        """The jobs' generations, or ClientGone when the watchdog cancelled them (their client
-        left)."""
+        """The jobs' generations, or ClientGone when the watchdog cancelled them (their
+        client left)."""
         self.inflight[request] = jobs
         try:
             results = await asyncio.gather(
@@ -1039,7 +1038,10 @@ def main(argv: list[str] | None = None):
         "--served-model-name",
         nargs="+",
         default=None,
-        help=f"the `model` clients ask for (default: the folder); more names are aliases, as are {ALIASES}",
+        help=(
+            "the `model` clients ask for (default: the folder); "
+            f"more names are aliases, as are {ALIASES}"
+        ),
     )
     p.add_argument("--chat-format", default="qwen2.5", choices=CHAT_FORMATS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -1,8 +1,8 @@
 """serve_anthropic.py: Anthropic's Messages API (POST /v1/messages) as a dialect of serve.py's chat
 endpoint: a request is translated into the OpenAI chat request serve.Server already serves, and the
 reply (or its stream of events) back. So a Messages request is rendered by the same chat format,
-sampled by the same engine call and captured in the same records as a chat completion (a wing of
-serve.py's).
+sampled by the same engine call and captured in the same records as a chat completion (a wing
+of serve.py's).
 
     https://docs.anthropic.com/en/api/messages            the request and the reply
     https://docs.anthropic.com/en/api/messages-streaming  the events of stream=true
@@ -10,12 +10,15 @@ serve.py's).
 What maps to what:
   system (a string or text blocks)          -> the system message
   user text blocks                          -> a user message (consecutive text blocks joined)
-  user tool_result blocks                   -> tool messages, in order (their text; is_error is not
-  rendered) assistant text + tool_use blocks          -> an assistant message with tool_calls,
-  arguments = json of `input` tools [{name, description, input_schema}] -> [{"type": "function",
-  "function": {name, description, parameters}}] stop_sequences, metadata.user_id          -> stop,
-  the session (as OpenAI's `user`) the reply: its text, then one tool_use block per tool call
-  (`input` the parsed arguments); stop_reason tool_use, max_tokens, stop_sequence or end_turn.
+  user tool_result blocks                   -> tool messages, in order (their text; is_error is
+                                               not rendered)
+  assistant text + tool_use blocks          -> an assistant message with tool_calls,
+                                               arguments = json of `input`
+  tools [{name, description, input_schema}] -> [{"type": "function",
+                                               "function": {name, description, parameters}}]
+  stop_sequences, metadata.user_id          -> stop, the session (as OpenAI's `user`)
+  the reply: its text, then one tool_use block per tool call (`input` the parsed arguments);
+  stop_reason tool_use, max_tokens, stop_sequence or end_turn.
 Refused (400): images and documents, thinking blocks and `thinking` other than disabled, tool_choice
 other than auto, server tools (a `type` other than custom). `seed` is accepted as an extension
 (Anthropic has none), so a test or a trainer can ask for a seeded sample. Errors on this endpoint
@@ -187,8 +190,8 @@ def stop_reason(choice: dict, stop_text: str | None) -> str:
 
 
 def content_blocks(message: dict) -> list[dict]:
-    """An OpenAI assistant message -> its Messages content: the text, then a tool_use block per
-    call."""
+    """An OpenAI assistant message -> its Messages content: the text, then a tool_use block
+    per call."""
     text = [{"type": "text", "text": message["content"]}] if message.get("content") else []
     return text + [
         {

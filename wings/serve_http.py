@@ -1,32 +1,27 @@
 """serve_http.py: the HTTP/1.1 transport of serve.py: one asyncio event loop, in a background
-thread, reads every connection, and each answer is JSON or a stream of server-sent events (a wing of
-serve.py's).
+thread, reads every connection, and each answer is JSON or a stream of server-sent events (a wing
+of serve.py's).
 
 Why asyncio: a connection is a coroutine, not a thread, so 64 agents that each keep a connection
 open cost no threads, and a request waiting for the engine holds nothing but its coroutine. What the
 transport promises (each one a test in tests/test_serve.py):
   - a burst of connections is accepted: the listening socket's backlog is BACKLOG (the kernel caps
-  it at
-    net.core.somaxconn), not http.server's 5;
+    it at net.core.somaxconn), not http.server's 5;
   - keep-alive (HTTP/1.1's default, and what OpenAI's and Anthropic's clients use); a request
-  refused before its
-    body was read (401, 404, 405) has its body read and dropped, so the next request on the
-    connection is parsed from its first byte (a body over DRAIN_BYTES, or one without a
-    Content-Length, closes the connection instead);
+    refused before its body was read (401, 404, 405) has its body read and dropped, so the next
+    request on the connection is parsed from its first byte (a body over DRAIN_BYTES, or one without
+    a Content-Length, closes the connection instead);
   - a body that stops arriving (a Content-Length longer than what is sent) is answered 408 and the
-  connection
-    closed after body_timeout_s without a byte; a connection idle between requests is closed after
-    idle_timeout_s;
+    connection closed after body_timeout_s without a byte; a connection idle between requests is
+    closed after idle_timeout_s;
   - every error is a JSON body (RequestError.body: OpenAI's error object, or Anthropic's on its
-  endpoint), never an
-    HTML page; an exception in a handler is a 500 and the server goes on;
+    endpoint), never an HTML page; an exception in a handler is a 500 and the server goes on;
   - a streamed answer goes out with chunked encoding; a client that leaves mid-stream (a failed
-  write, or the end
-    of its side of the connection) stops the stream: the handler's generator is closed
-    (GeneratorExit), and Request.gone() tells a waiting handler that its client left.
+    write, or the end of its side of the connection) stops the stream: the handler's generator is
+    closed (GeneratorExit), and Request.gone() tells a waiting handler that its client left.
 Only what OpenAI-style clients send is read: Content-Length bodies (a chunked request body is
-refused with 411), `Expect: 100-continue` answered. No TLS: put the server behind a proxy to expose
-it.
+refused with 411), `Expect: 100-continue` answered. No TLS: put the server behind a proxy to
+expose it.
 
 Imports: none of our files (asyncio, json and the standard library).
 """
@@ -44,8 +39,8 @@ DRAIN_BYTES = 64 << 20  # a body refused before it was read is read and dropped 
 MAX_HEAD_BYTES = 64 << 10  # request line + headers
 CHUNK = 1 << 16
 
-# the error object's `code`: OpenAI puts a category string there (openai.BadRequestError.code), not
-# the status
+# the error object's `code`: OpenAI puts a category string there (openai.BadRequestError.code),
+# not the status
 CODES = {
     400: "invalid_request",
     401: "invalid_api_key",
@@ -159,8 +154,8 @@ class Request:
         )
 
     def gone(self) -> bool:
-        """Whether the client has closed its side of the connection (nothing pipelined after the
-        request)."""
+        """Whether the client has closed its side of the connection (nothing pipelined after
+        the request)."""
         return self.reader.at_eof() or self.writer.is_closing()
 
     def _length(self) -> int:
@@ -175,8 +170,8 @@ class Request:
 
     async def body(self, limit: int) -> bytes:
         """The body, at most `limit` bytes, or a RequestError: 411 (no Content-Length), 413 (too
-        long: left unread, the transport drains it), 408 (it stopped arriving: the connection is
-        closed)."""
+        long: left unread, the transport drains it), 408 (it stopped arriving: the connection
+        is closed)."""
         size = self._length()
         if size < 0 or size > limit:
             raise RequestError(413, f"the body has {size} bytes; at most {limit} are read")
@@ -301,8 +296,8 @@ class HTTPServer:
         self.loop.close()
 
     def run(self, fn, *args):
-        """fn(*args) on the event loop's thread (thread-safe): how the engine thread hands results
-        over."""
+        """fn(*args) on the event loop's thread (thread-safe): how the engine thread hands
+        results over."""
         self.loop.call_soon_threadsafe(fn, *args)
 
     # -- connections

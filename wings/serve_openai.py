@@ -3,9 +3,8 @@ completions request's fields (their types and ranges, what is refused, the messa
 reduced to what chat.render reads) and the chunks of a streamed answer (a wing of serve.py's;
 serve_anthropic.py is the other dialect).
 
-    https://platform.openai.com/docs/api-reference/chat/create       the chat request (messages,
-    tools) https://platform.openai.com/docs/api-reference/chat-streaming    the chunks of
-    stream=true
+  the chat request (messages, tools)  https://platform.openai.com/docs/api-reference/chat/create
+  the chunks of stream=true           https://platform.openai.com/docs/api-reference/chat-streaming
 
 A bad field is a serve_http.RequestError (400, naming it), answered as OpenAI's error object.
 
@@ -18,8 +17,8 @@ import time
 
 from wings.serve_http import RequestError
 
-# fields that would change the result and that this server does not implement: refused unless at
-# their default
+# fields that would change the result and that this server does not implement: refused unless
+# at their default
 REFUSED = {
     "logit_bias": (None, {}),
     "presence_penalty": (0, 0.0, None),
@@ -73,8 +72,8 @@ def valid_unicode(text: str, where: str) -> str:
 
 
 def _text(content, where: str, optional: bool = False) -> str:
-    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts
-    joined."""
+    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...}
+    parts joined."""
     if content is None and optional:
         return ""
     if isinstance(content, str):
