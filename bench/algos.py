@@ -90,11 +90,12 @@ def main_cli():
         p.error("the distill row needs --teacher DIR")
     results = [run(a, args) for a in algos]
     print(
-        f"\n{args.steps} RL steps each, seed {args.seed}, config {args.config} {' '.join(args.overrides)}"
+        f"\n{args.steps} RL steps each, seed {args.seed}, "
+        f"config {args.config} {' '.join(args.overrides)}"
     )
     print(
-        "| algo | held-out acc. start | end | gain | learns (gain > 2 SE) | train reward first 5 | last 5 "
-        "| wall time |"
+        "| algo | held-out acc. start | end | gain | learns (gain > 2 SE) | train reward first 5 "
+        "| last 5 | wall time |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -163,12 +163,13 @@ def main():
     }
     base = med["in-process run_episodes, 1 thread"]["tok/s"]
     print(
-        f"\n{args.tasks} tasks x {args.n} samples, {args.workers} workers x {args.threads} threads, "
-        f"chunk_groups {args.chunk_groups}, max_in_flight {args.max_in_flight or 'default'}, "
-        f"median of {args.repeats}\n"
+        f"\n{args.tasks} tasks x {args.n} samples, "
+        f"{args.workers} workers x {args.threads} threads, chunk_groups {args.chunk_groups}, "
+        f"max_in_flight {args.max_in_flight or 'default'}, median of {args.repeats}\n"
     )
     print(
-        "| mode | wall s | trajectories/s | sampled tokens/s | worker idle | tokens/s vs in-process, 1 thread |"
+        "| mode | wall s | trajectories/s | sampled tokens/s | worker idle "
+        "| tokens/s vs in-process, 1 thread |"
     )
     print("|---|---|---|---|---|---|")
     for name, m in med.items():

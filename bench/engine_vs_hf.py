@@ -186,13 +186,14 @@ def main():
     torch.set_num_threads(args.threads)
     rows = [bench_shape(name, args, transformers) for name in args.shapes]
     print(
-        f"\n{args.rows} prompts of {args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} new tokens each, "
-        f"temperature 1, fp32, {args.threads} thread(s), median of {args.repeats} interleaved calls; "
+        f"\n{args.rows} prompts of {args.min_prompt}-{args.max_prompt} tokens, "
+        f"{args.max_tokens} new tokens each, temperature 1, fp32, {args.threads} thread(s), "
+        f"median of {args.repeats} interleaved calls; "
         f"torch {torch.__version__}, transformers {transformers.__version__}"
     )
     print(
-        "| shape | engine tokens/s | transformers tokens/s | engine / transformers | engine peak extra RSS MiB "
-        "| transformers peak extra RSS MiB |"
+        "| shape | engine tokens/s | transformers tokens/s | engine / transformers "
+        "| engine peak extra RSS MiB | transformers peak extra RSS MiB |"
     )
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -171,8 +171,8 @@ class ScriptedAgent:
             else:
                 self.calls += 1
                 reply = (
-                    '<tool_call>\n{"name": "flaky", "arguments": {"n": %d, "tag": %d}}\n</tool_call>'
-                    % (n, self.calls)
+                    '<tool_call>\n{"name": "flaky", "arguments": {"n": %d, "tag": %d}}\n'
+                    "</tool_call>" % (n, self.calls)
                 )
                 strike = draws(self.seed, f"{self.calls}/{params.seed}/{k}", self.rate)
                 if self.scenario in TOOL_FAULTS and strike:
@@ -345,16 +345,16 @@ def run_scenario(name: str, tok, model, cfg: Config, args) -> dict:
             groups = [raw[i : i + G] for i in range(0, len(raw), G)]
             whole += [g for g in groups if not any(t.finish_reason == "env_error" for t in g)]
         without = [t for g in whole[:want] for t in g]
-        # every episode played is in the batch, in a dropped group (counted), or in a whole group
-        # past the batch
+        # every episode played is in the batch, in a dropped group (counted),
+        # or in a whole group past the batch
         row["lost"] = (
             played - n - G * metrics["rollout/dropped_groups"] - G * max(0, len(whole) - want)
         )
         a, b = update(model, tok, cfg, trajs), update(model, tok, cfg, without)
         equal = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
         row["check"] = (
-            f"update == update without the failed groups: {equal} ({int(metrics['rollout/rounds'])} "
-            f"rounds)"
+            "update == update without the failed groups: "
+            f"{equal} ({int(metrics['rollout/rounds'])} rounds)"
         )
         row["survived"] = equal and all(t.finish_reason != "env_error" for t in trajs)
     row["survived"] = row["survived"] and n > 0 and all(t.num_turns >= 1 for t in trajs)
@@ -378,15 +378,17 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     rows = run_all(args)
     print(
-        f"# bench/faults.py: rate {args.rate}, {args.tasks} tasks x {args.samples} episodes, seed {args.seed}\n"
+        f"# bench/faults.py: rate {args.rate}, {args.tasks} tasks x {args.samples} episodes, "
+        f"seed {args.seed}\n"
     )
     print(
-        "| fault | injected | counted | survived | episodes lost | check |\n|---|---|---|---|---|---|"
+        "| fault | injected | counted | survived | episodes lost | check |\n"
+        "|---|---|---|---|---|---|"
     )
     for r in rows:
         print(
-            f"| {r['fault']} | {r['injected']} | {r['counted']} | {'yes' if r['survived'] else 'NO'} | {r['lost']} "
-            f"| {r['check']} |"
+            f"| {r['fault']} | {r['injected']} | {r['counted']} "
+            f"| {'yes' if r['survived'] else 'NO'} | {r['lost']} | {r['check']} |"
         )
     bad = [
         r["fault"] for r in rows if r["counted"] != r["injected"] or not r["survived"] or r["lost"]

@@ -605,8 +605,8 @@ def main(argv=None) -> dict:
         else f"CPU, {torch.get_num_threads()} threads"
     )
     print(
-        f"# bench/gpu.py on {where}, torch {torch.__version__}, {args.dtype}, peak {peak / 1e12:.3g} TFLOPS "
-        f"({peak_source}), sizes {size}",
+        f"# bench/gpu.py on {where}, torch {torch.__version__}, {args.dtype}, "
+        f"peak {peak / 1e12:.3g} TFLOPS ({peak_source}), sizes {size}",
         flush=True,
     )
     results, failed = (

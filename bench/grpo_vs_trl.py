@@ -138,18 +138,21 @@ SHAPE_10M = dict(
 )
 # ModelConfig fields over the default model's
 SHAPES = {"default": {}, "10m": SHAPE_10M, "10m-long": SHAPE_10M, "multiturn": {}}
-# multiturn: a tool result's share of an episode's budget (its turn boundaries take 16 tokens; a
-# number ~1-4 more)
+# multiturn: a tool result's share of an episode's budget
+# (its turn boundaries take 16 tokens; a number ~1-4 more)
 TOOL_RESULT_TOKENS = 32
 LONG_SYSTEM = " ".join(
     [  # 10m-long's system prompt
         "You are a careful assistant that solves arithmetic problems with tools.",
         "Read the problem twice. Work out each intermediate quantity before the final one.",
-        "When a step needs exact arithmetic, call the calculator tool with a plain expression such as 12 * (3 + 4);",
-        "do not call it with words, units or variables. Wait for the tool's answer before you go on.",
+        "When a step needs exact arithmetic, call the calculator tool "
+        "with a plain expression such as 12 * (3 + 4);",
+        "do not call it with words, units or variables. "
+        "Wait for the tool's answer before you go on.",
         "If a tool returns an error, fix the expression and call it again rather than guessing.",
         "Keep every number you have found; never round unless the problem asks for it.",
-        "When you know the final answer, call finish with the number alone, with no words and no units.",
+        "When you know the final answer, call finish with the number alone, "
+        "with no words and no units.",
         "Answers are integers unless the problem says otherwise. Negative answers keep their sign.",
         "Do not explain your reasoning at length: one short sentence per step is enough.",
         "Never call finish before you have checked the answer against the problem's question.",
@@ -413,9 +416,8 @@ def main():
     load = os.getloadavg()
     print(
         f"threads {args.threads}, sides {', '.join(sides)}, P={args.prompts} x G={args.group}, "
-        f"M={args.max_tokens}, {args.steps} steps, "
-        f"micro-batch {micro}, lr {args.lr}; {args.warmup_pairs} warm-up pair(s), then {args.pairs} interleaved "
-        "pairs; "
+        f"M={args.max_tokens}, {args.steps} steps, micro-batch {micro}, lr {args.lr}; "
+        f"{args.warmup_pairs} warm-up pair(s), then {args.pairs} interleaved pairs; "
         f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
         flush=True,
     )
@@ -462,14 +464,15 @@ def main():
                 out = summarize(run_child(cmd, args.threads, log, env))
                 timed = r >= args.warmup_pairs
                 print(
-                    f"  {size} {side} {f'pair {r + 1 - args.warmup_pairs}' if timed else 'warm-up'}: "
-                    f"{out['step']:.2f} s/step "
-                    f"(sampling {out['sample']:.2f}, update {out['update']:.2f}, other {out['other']:.2f}), "
-                    f"start-up {out['startup']:.1f} s, "
-                    f"peak RSS {out['rss']:.2f} GiB, {out['tokens']:.1f} new tokens/sample"
+                    f"  {size} {side} "
+                    f"{f'pair {r + 1 - args.warmup_pairs}' if timed else 'warm-up'}: "
+                    f"{out['step']:.2f} s/step (sampling {out['sample']:.2f}, "
+                    f"update {out['update']:.2f}, other {out['other']:.2f}), "
+                    f"start-up {out['startup']:.1f} s, peak RSS {out['rss']:.2f} GiB, "
+                    f"{out['tokens']:.1f} new tokens/sample"
                     + (
-                        f", {out['turns']:.2f} turns and {out['tool_calls']:.2f} tool calls/sample, reward "
-                        f"{out['reward']:.2f}"
+                        f", {out['turns']:.2f} turns and "
+                        f"{out['tool_calls']:.2f} tool calls/sample, reward {out['reward']:.2f}"
                         if turns > 1
                         else ""
                     ),
@@ -486,26 +489,27 @@ def main():
 def print_table(rows, sides, args):
     med = statistics.median
     print(
-        f"threads {args.threads}, P={args.prompts} x G={args.group}, M={args.max_tokens}, {args.steps} steps, "
-        f"medians of {args.pairs} interleaved runs per side (each run: the median of its steps); ratios: A / B per "
-        "pair of runs, then the median\n"
+        f"threads {args.threads}, P={args.prompts} x G={args.group}, M={args.max_tokens}, "
+        f"{args.steps} steps, medians of {args.pairs} interleaved runs per side "
+        "(each run: the median of its steps); ratios: A / B per pair of runs, then the median\n"
     )
     print(
-        "| model | side | s/step | sampling s | update s | other s | all but sampling | start-up s | peak RSS GiB "
-        "| new tokens/sample |"
+        "| model | side | s/step | sampling s | update s | other s | all but sampling | start-up s "
+        "| peak RSS GiB | new tokens/sample |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for size, prompt_len, _, runs in rows:
         for s in sides:
             f = {k: med(r[k] for r in runs[s]) for k in runs[s][0]}
             print(
-                f"| {size} ({prompt_len:.0f}-token prompts) | {s} | {f['step']:.2f} | {f['sample']:.2f} "
-                f"| {f['update']:.2f} | {f['other']:.2f} | {f['not_sample'] / f['step']:.0%} | {f['startup']:.1f} "
-                f"| {f['rss']:.2f} | {f['tokens']:.1f} |"
+                f"| {size} ({prompt_len:.0f}-token prompts) | {s} | {f['step']:.2f} "
+                f"| {f['sample']:.2f} | {f['update']:.2f} | {f['other']:.2f} "
+                f"| {f['not_sample'] / f['step']:.0%} | {f['startup']:.1f} | {f['rss']:.2f} "
+                f"| {f['tokens']:.1f} |"
             )
     print(
-        "\n| model | A / B | speed (B s/step / A) | sampling A/B | update A/B | all but sampling A/B | start-up A/B "
-        "| peak RSS A/B |"
+        "\n| model | A / B | speed (B s/step / A) | sampling A/B | update A/B "
+        "| all but sampling A/B | start-up A/B | peak RSS A/B |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for size, _, _, runs in rows:
@@ -519,20 +523,22 @@ def print_table(rows, sides, args):
 
             print(
                 f"| {size} | {a} / {b} | {ratio('step', invert=True):.2f}x | {ratio('sample'):.2f} "
-                f"| {ratio('update'):.2f} | {ratio('not_sample'):.2f} | {ratio('startup'):.2f} | {ratio('rss'):.2f} |"
+                f"| {ratio('update'):.2f} | {ratio('not_sample'):.2f} | {ratio('startup'):.2f} "
+                f"| {ratio('rss'):.2f} |"
             )
     multi = [(size, turns, runs) for size, _, turns, runs in rows if turns > 1]
     if not multi:
         return
     print(
-        "\nWork per episode of the multi-turn sizes (means over a run's steps, then the median of the runs): new "
-        "tokens sampled, assistant turns, tool calls parsed (finish included), the share of episodes our env ended "
-        "(a finish call or a plain-text answer) within the turns sampled, the turns sampled after that (TRL only: "
-        "ours stops there), the env's reward\n"
+        "\nWork per episode of the multi-turn sizes (means over a run's steps, "
+        "then the median of the runs): new tokens sampled, assistant turns, "
+        "tool calls parsed (finish included), the share of episodes our env ended "
+        "(a finish call or a plain-text answer) within the turns sampled, "
+        "the turns sampled after that (TRL only: ours stops there), the env's reward\n"
     )
     print(
-        "| model | side | new tokens/sample | turns/sample | tool calls/sample | env-ended | turns after the end "
-        "| reward |"
+        "| model | side | new tokens/sample | turns/sample | tool calls/sample | env-ended "
+        "| turns after the end | reward |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for size, turns, runs in multi:
@@ -540,8 +546,8 @@ def print_table(rows, sides, args):
             f = {k: med(r[k] for r in runs[s]) for k in runs[s][0]}
             after = f"{f['after_end']:.2f}" if "after_end" in f else "-"
             print(
-                f"| {size} (K={turns}) | {s} | {f['tokens']:.1f} | {f['turns']:.2f} | {f['tool_calls']:.2f} "
-                f"| {f['ended']:.0%} | {after} | {f['reward']:.2f} |"
+                f"| {size} (K={turns}) | {s} | {f['tokens']:.1f} | {f['turns']:.2f} "
+                f"| {f['tool_calls']:.2f} | {f['ended']:.0%} | {after} | {f['reward']:.2f} |"
             )
 
 
@@ -559,9 +565,8 @@ def ours_worker(args):
     max_prompt = max(len(json.loads(line)["ids"]) for line in open(args.data))
     overrides = [
         f"model.path={args.folder}",  # the envs: env_config's file
-        # held-out eval: step 0 and the end only
         f"steps={args.steps}",
-        f"eval_every={args.steps + 1}",
+        f"eval_every={args.steps + 1}",  # held-out eval: step 0 and the end only
         f"seed={args.seed}",
         f"threads={args.threads}",
         "wandb=false",
@@ -572,8 +577,10 @@ def ours_worker(args):
         f"rollout.max_tokens={args.max_tokens}",
         "rollout.temperature=1.0",
         "rollout.top_p=1.0",
-        f"rollout.agent.max_turns={args.turns}",  # the context window: prompt, C, one forced stop
-        f"rollout.agent.max_total_tokens={max_prompt + episode_budget(args.turns, args.max_tokens) + 1}",
+        f"rollout.agent.max_turns={args.turns}",
+        # the context window: prompt, C, one forced stop
+        "rollout.agent.max_total_tokens="
+        f"{max_prompt + episode_budget(args.turns, args.max_tokens) + 1}",
         f"learner.lr={args.lr}",
         f"learner.micro_batch_size={args.micro_batch}",
         "learner.policy_loss=ppo",
@@ -609,8 +616,8 @@ def ours_worker(args):
 
 
 # -----------------------------------------------------------------------------
-# the TRL side: GRPOTrainer in this process (run with the TRL venv's python; trl is imported only
-# here)
+# the TRL side: GRPOTrainer in this process
+# (run with the TRL venv's python; trl is imported only here)
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -659,7 +666,8 @@ def env_tools(env, envs: str):
     toy = env.make_env(spec["name"], **spec.get("kwargs", {}))
     if toy.tool_names != ("python_eval", "finish"):
         sys.exit(
-            f"the multi-turn TRL side has functions for python_eval and finish, not for {toy.tool_names}"
+            "the multi-turn TRL side has functions for python_eval and finish, "
+            f"not for {toy.tool_names}"
         )
     # python_eval reads none
     no_task = env.EnvState(task=env.Task(env=toy.name, id="bench", prompt="", answer=""))
@@ -760,8 +768,8 @@ def trl_worker(args):
         truncation_side="left",
     )
     if multi:
-        # TRL parses <tool_call> blocks only for a template it knows byte for byte; the folder's is
-        # not one
+        # TRL parses <tool_call> blocks only for a template it knows byte for byte;
+        # the folder's is not one
         tok.chat_template = qwen2_5_chat_template
     model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id  # stop where ours stops
@@ -842,8 +850,8 @@ def trl_worker(args):
         disable_tqdm=True,
         dataloader_num_workers=0,
         log_completions=False,
-        **({"max_tool_calling_iterations": args.turns - 1} if multi else {}),
-    )  # K generation rounds
+        **({"max_tool_calling_iterations": args.turns - 1} if multi else {}),  # K generation rounds
+    )
     prompt_key = "messages" if multi else "prompt"
     dataset = Dataset.from_list([{"prompt": r[prompt_key], "answer": r["answer"]} for r in rows])
     trainer = GRPOTrainer(
@@ -887,8 +895,8 @@ def trl_worker(args):
         or len(rollout_s) != rollouts
     ):
         sys.exit(
-            f"expected {args.steps} steps of 1 to {args.turns} generate calls, got {len(step_s)} steps and "
-            f"{rounds} calls"
+            f"expected {args.steps} steps of 1 to {args.turns} generate calls, "
+            f"got {len(step_s)} steps and {rounds} calls"
         )
     sample_s = rollout_s if multi else gen_s
     out = {

@@ -164,10 +164,12 @@ def main():
     print("|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['processes']} | {r['threads']} | {r['seconds_per_step']:.2f} | {r['tokens_per_s']:,.0f} |"
+            f"| {r['processes']} | {r['threads']} | {r['seconds_per_step']:.2f} "
+            f"| {r['tokens_per_s']:,.0f} |"
         )
     print(
-        f"\n2 processes x 1 thread vs 1 process x 2 threads: {rows[2]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x; "
+        "\n2 processes x 1 thread vs 1 process x 2 threads: "
+        f"{rows[2]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x; "
         f"vs 1 process x 1 thread: {rows[2]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x"
     )
 

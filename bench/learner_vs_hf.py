@@ -217,10 +217,12 @@ def main():
 
     sides = args.sides.split(",")
     print(
-        f"threads {args.threads}, fp32, {args.pairs} interleaved rounds, one warm-up update per process"
+        f"threads {args.threads}, fp32, {args.pairs} interleaved rounds, "
+        "one warm-up update per process"
     )
     print(
-        "| size | params | B x T (micro) | side | tokens/s (median) | runs | vs hf | peak RSS GiB | update rise GiB |"
+        "| size | params | B x T (micro) | side | tokens/s (median) | runs | vs hf | peak RSS GiB "
+        "| update rise GiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
@@ -265,8 +267,9 @@ def main():
             ratio = f"{med[s] / med['hf']:.2f}x" if "hf" in med else "-"
             each = " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs[s])
             print(
-                f"| {size} | {n_params / 1e6:.1f}M | {B} x {args.seq} ({mb}) | {s} | {med[s]:.0f} | {each} | {ratio} "
-                f"| {max(r['peak_rss_gib'] for r in runs[s]):.2f} | {max(r['update_rise_gib'] for r in runs[s]):.2f} |",
+                f"| {size} | {n_params / 1e6:.1f}M | {B} x {args.seq} ({mb}) | {s} | {med[s]:.0f} "
+                f"| {each} | {ratio} | {max(r['peak_rss_gib'] for r in runs[s]):.2f} "
+                f"| {max(r['update_rise_gib'] for r in runs[s]):.2f} |",
                 flush=True,
             )
 

@@ -92,9 +92,10 @@ def main_cli():
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['env']} | {r['expert']:.3f} ({r['expert_tools']:.1f}) | {r['random']:.3f} ({r['random_tools']:.1f}) | "
-            f"{r['sft']:.3f} ({r['sft_tools']:.1f}) | {r['rl']:.3f} ({r['rl_tools']:.1f}) | {r['steps']} | "
-            f"{r['minutes']:.1f} min |"
+            f"| {r['env']} | {r['expert']:.3f} ({r['expert_tools']:.1f}) "
+            f"| {r['random']:.3f} ({r['random_tools']:.1f}) "
+            f"| {r['sft']:.3f} ({r['sft_tools']:.1f}) | {r['rl']:.3f} ({r['rl_tools']:.1f}) "
+            f"| {r['steps']} | {r['minutes']:.1f} min |"
         )
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"learning_seed{args.seed}.json"), "a") as f:

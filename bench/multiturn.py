@@ -112,9 +112,10 @@ def bench_config(path: str, args) -> list[str]:
     sampled = sum(sum(t.loss_mask) for t in a)
     episodes = len(a)
     print(
-        f"\n{path}: {len(tasks)} tasks x {args.n} samples, {sum(t.num_turns for t in a) / episodes:.1f} turns and "
-        f"{sum(len(t.token_ids) for t in a) / episodes:.0f} tokens per episode, {sampled} sampled tokens; "
-        f"identical trajectories: {same} of {episodes}"
+        f"\n{path}: {len(tasks)} tasks x {args.n} samples, "
+        f"{sum(t.num_turns for t in a) / episodes:.1f} turns and "
+        f"{sum(len(t.token_ids) for t in a) / episodes:.0f} tokens per episode, "
+        f"{sampled} sampled tokens; identical trajectories: {same} of {episodes}"
     )
     rows, speed = [], {}
     for name, m in (("full prefill", ma), ("prefix cache", mb)):
@@ -162,11 +163,12 @@ def main():
     torch.set_num_threads(args.threads)
     rows = [r for path in args.configs for r in bench_config(path, args)]
     print(
-        f"\n{args.threads} thread(s), median of {args.repeats} interleaved rollouts per engine, temperature 1"
+        f"\n{args.threads} thread(s), median of {args.repeats} interleaved rollouts per engine, "
+        "temperature 1"
     )
     print(
-        "| env | engine | prompt tokens prefilled per episode | share found in the cache | seconds per rollout "
-        "| sampled tokens/s |"
+        "| env | engine | prompt tokens prefilled per episode | share found in the cache "
+        "| seconds per rollout | sampled tokens/s |"
     )
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

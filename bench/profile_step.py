@@ -387,9 +387,11 @@ def measure(shape: str, decodes: list[str], repeats: int, clock) -> list[dict]:
         )
     rate = {k: 1 / v / 1e9 for k, v in spf.items()}
     print(
-        f"## {shape}: {linear_weights(c) / 1e6:.2f}M decoder matmul weights, {P} x {G} rows of {PROMPT} + "
-        f"{sum(new) / len(new):.1f} tokens; matmul GFLOP/s on the shapes of prefill {rate['prefill']:.0f}, "
-        f"decode {rate['decode']:.0f}, learner {rate['learner']:.0f}; read {bandwidth / 1e9:.1f} GB/s",
+        f"## {shape}: {linear_weights(c) / 1e6:.2f}M decoder matmul weights, "
+        f"{P} x {G} rows of {PROMPT} + {sum(new) / len(new):.1f} tokens; "
+        f"matmul GFLOP/s on the shapes of prefill {rate['prefill']:.0f}, "
+        f"decode {rate['decode']:.0f}, learner {rate['learner']:.0f}; "
+        f"read {bandwidth / 1e9:.1f} GB/s",
         flush=True,
     )
     return out
@@ -397,15 +399,15 @@ def measure(shape: str, decodes: list[str], repeats: int, clock) -> list[dict]:
 
 def print_tables(results: list[dict]):
     print(
-        "\n| shape | phase | model GFLOP | compute floor s | memory floor s | floor s | measured s | x floor | "
-        + " | ".join(KINDS)
-        + " |"
+        "\n| shape | phase | model GFLOP | compute floor s | memory floor s | floor s | measured s "
+        "| x floor | " + " | ".join(KINDS) + " |"
     )
     print("|" + "---|" * (8 + len(KINDS)))
     for r in results:
         print(
-            f"| {r['shape']} | {r['phase']} | {r['gflop']:.1f} | {r['compute_floor']:.3f} | {r['memory_floor']:.3f} "
-            f"| {r['floor']:.3f} | {r['seconds']:.3f} | **{r['x_floor']:.2f}x** | "
+            f"| {r['shape']} | {r['phase']} | {r['gflop']:.1f} | {r['compute_floor']:.3f} "
+            f"| {r['memory_floor']:.3f} | {r['floor']:.3f} | {r['seconds']:.3f} "
+            f"| **{r['x_floor']:.2f}x** | "
             + " | ".join(f"{r['kinds'][k]:.0%}" for k in KINDS)
             + " |"
         )
@@ -418,9 +420,9 @@ def print_tables(results: list[dict]):
         plain = next((r for r in samp if "(plain)" in r["phase"]), samp[0])
         for r in samp:
             print(
-                f"| {shape} | {r['phase'][10:-1]} | {r['tokens_per_s']:.0f} | "
-                f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x | {1e3 * r['seconds'] / r['steps']:.2f} | "
-                f"{r['launched'] / r['steps']:.0f} |"
+                f"| {shape} | {r['phase'][10:-1]} | {r['tokens_per_s']:.0f} "
+                f"| {r['tokens_per_s'] / plain['tokens_per_s']:.2f}x "
+                f"| {1e3 * r['seconds'] / r['steps']:.2f} | {r['launched'] / r['steps']:.0f} |"
             )
 
 

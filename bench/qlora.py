@@ -142,8 +142,9 @@ def main() -> None:
         save_model(init_model(cfg, seed=0).to(getattr(torch, args.dtype)), tmp)
         n = sum(p.numel() for p in init_model(cfg, seed=0).parameters())
         print(
-            f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {n / 1e6:.1f}M parameters, "
-            f"{args.dtype}; one sft_step on {args.batch} x {args.seq} tokens; LoRA/QLoRA rank {args.rank}",
+            f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+            f"{n / 1e6:.1f}M parameters, {args.dtype}; "
+            f"one sft_step on {args.batch} x {args.seq} tokens; LoRA/QLoRA rank {args.rank}",
             flush=True,
         )
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": ROOT}

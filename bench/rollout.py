@@ -124,7 +124,7 @@ def main():
     rows = len(prompts) * args.n
     params = lambda seed: SamplingParams(
         n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=seed
-    )  # noqa: E731
+    )
 
     model = load_model(model_dir, dtype=getattr(torch, args.dtype))
     engines = {
@@ -159,9 +159,10 @@ def main():
     )
     print(
         f"\n{name} ({params_m:.2f} M parameters, {args.dtype}), "
-        f"{len(prompts)} prompts x {args.n} samples = {rows} rows, prompts {min(map(len, prompts))}-"
-        f"{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each, T=1, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"{len(prompts)} prompts x {args.n} samples = {rows} rows, "
+        f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"{args.max_tokens} new tokens each, T=1, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats}"
     )
     print("| engine | seconds per call | new tokens per call | tokens/s |")
     print("|---|---|---|---|")

@@ -150,15 +150,17 @@ def bench_batching(cfg, model_dir: str, args) -> float:
     finally:
         server.stop()
     print(
-        f"\nbatching: {args.sessions} sessions x 1 chat request, prompts {min(map(len, prompts))}-"
-        f"{max(map(len, prompts))} tokens, max_tokens {args.max_tokens}, T=1, {torch.get_num_threads()} threads, "
+        f"\nbatching: {args.sessions} sessions x 1 chat request, "
+        f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"max_tokens {args.max_tokens}, T=1, {torch.get_num_threads()} threads, "
         f"median of {args.repeats}"
     )
     print("| | tokens/s (median) | each round |")
     print("|---|---|---|")
     for name, values in speed.items():
         print(
-            f"| {name} | {statistics.median(values):,.0f} | {', '.join(f'{v:,.0f}' for v in values)} |"
+            f"| {name} | {statistics.median(values):,.0f} "
+            f"| {', '.join(f'{v:,.0f}' for v in values)} |"
         )
     ratio = statistics.median(speed["server"]) / statistics.median(speed["engine.generate"])
     print(f"\nserver / engine.generate: {ratio:.2f}x (target >= 0.8)")
@@ -205,8 +207,8 @@ def bench_training(args) -> float:
                 times[kind][0].extend(step)
                 times[kind][1].extend(rollout)
     print(
-        f"\ntraining: {args.config}, {args.steps} steps x {args.repeats} runs each (the first step of a run not "
-        f"counted), {torch.get_num_threads()} threads"
+        f"\ntraining: {args.config}, {args.steps} steps x {args.repeats} runs each "
+        f"(the first step of a run not counted), {torch.get_num_threads()} threads"
     )
     print("| rollout source | step seconds (median) | rollout seconds (median) |")
     print("|---|---|---|")

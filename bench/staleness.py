@@ -105,7 +105,8 @@ def main():
     print("|---|---|---|---|---|---|")
     for name, (step, wait, mean_stale, max_stale) in rows.items():
         print(
-            f"| {name} | {step:.2f} | {base / step:.2f}x | {wait:.2f} | {mean_stale:.2f} | {max_stale:.0f} |"
+            f"| {name} | {step:.2f} | {base / step:.2f}x | {wait:.2f} | {mean_stale:.2f} "
+            f"| {max_stale:.0f} |"
         )
 
 

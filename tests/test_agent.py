@@ -216,7 +216,8 @@ def qwen3_template():
                 "the qwen3 chat template fixture (fixtures/chat_templates/qwen3.jinja) is missing"
             )
         pytest.skip(
-            "the qwen3 chat template fixture (fixtures/chat_templates/qwen3.jinja) is not beside this clone"
+            "the qwen3 chat template fixture "
+            "(fixtures/chat_templates/qwen3.jinja) is not beside this clone"
         )
     return QWEN3_TEMPLATE.read_text()
 
@@ -262,7 +263,8 @@ def test_render_qwen25_matches_template(case, gen):
 def test_qwen25_hand_written():
     # independent of any template: the defaults and the tool-call layout, written out
     assert render([U1], add_generation_prompt=True) == (
-        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>system\n"
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     )
     text = render([U1], TOOLS)
@@ -273,8 +275,9 @@ def test_qwen25_hand_written():
     assert '"description": "Look up a word (née, 数学)."' in text  # ensure_ascii=False
     msg = {"role": "assistant", "content": "", "tool_calls": [CALL_ADD, CALL_STR]}
     assert render([U1, msg]).endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "lookup", "arguments": {"word": "café"}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "lookup", "arguments": {"word": "café"}}\n'
+        "</tool_call><|im_end|>\n"
     )
 
 
@@ -329,8 +332,8 @@ def test_unknown_format_and_role():
 def test_render_continuation(fmt, thinking):
     obs = [TOOL5, TOOL_W]
     expected = (
-        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\na coffee house\n"
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n"
+        "a coffee house\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
     if fmt == "qwen3" and thinking is False:
         expected += "<think>\n\n</think>\n\n"
@@ -677,8 +680,8 @@ def test_no_drift_qwen25_and_exact_mask(tok):
         )
         assert tr.parse_failures == tr.env_errors == tr.empty_responses == tr.tool_errors == 0
         assert len(tr.token_ids) == len(tr.loss_mask) == len(tr.logprobs)
-        # (1) no drift: the token-in-token-out trajectory is the tokenization of the final
-        # conversation
+        # (1) no drift: the token-in-token-out trajectory
+        # is the tokenization of the final conversation
         full = render(tr.messages, CalcEnv.TOOLS, chat_format="qwen2.5")
         assert full.endswith("<|im_end|>\n") and tr.token_ids == encode(tok, full[:-1])
         a, b = (2, 3) if tr.group == 0 else (40, 17)
@@ -843,8 +846,8 @@ def test_token_budget_ends_episodes(tok):
             and tr.reward == 0.0
         )
         assert len(tr.token_ids) <= budget and tr.num_turns >= 1
-    # one call per turn; it asks for the largest remaining budget (one token kept for a forced
-    # <|im_end|>)
+    # one call per turn; it asks for the largest remaining budget
+    # (one token kept for a forced <|im_end|>)
     assert engine.calls[0][1].max_tokens == budget - P_short - 1
     # each episode got at most its own budget
     assert sum(trajs[1].loss_mask[P_long:]) <= budget - P_long - 1
@@ -903,8 +906,8 @@ def test_three_length_limits_are_counted_by_kind(tok):
         m["rollout/truncated_episode"],
         m["rollout/context_full"],
     ) == (0, 0, 0)
-    # the turn limit: the first reply is cut (no tool call left in it), the env scores it and ends
-    # the episode
+    # the turn limit: the first reply is cut (no tool call left in it),
+    # the env scores it and ends the episode
     tr, m = play(roomy, max_tokens=10)
     assert (
         tr.finish_reason,
@@ -916,8 +919,8 @@ def test_three_length_limits_are_counted_by_kind(tok):
     # ten sampled tokens, then a forced <|im_end|>
     assert sum(tr.loss_mask) == 10 and tr.loss_mask[-1] == 0
     assert (m["rollout/truncated_turn"], m["rollout/truncated"]) == (1.0, 0.0)
-    # the episode limit, reached exactly by the first turn: the episode ends before the tool's
-    # answer is rendered
+    # the episode limit, reached exactly by the first turn:
+    # the episode ends before the tool's answer is rendered
     tr, m = play(replace(roomy, max_episode_tokens=L1))
     assert (
         tr.finish_reason,
@@ -932,8 +935,8 @@ def test_three_length_limits_are_counted_by_kind(tok):
         m["rollout/truncated"],
         m["rollout/truncated_turn"],
     ) == (1.0, 1.0, 0.0)
-    # the episode limit in the middle of the second turn: that turn is cut at it (the per-turn limit
-    # is roomier)
+    # the episode limit in the middle of the second turn:
+    # that turn is cut at it (the per-turn limit is roomier)
     tr, _ = play(replace(roomy, max_episode_tokens=L1 + 2))
     assert sum(tr.loss_mask) == L1 + 2 and (
         tr.truncated_episode,
@@ -949,8 +952,8 @@ def test_three_length_limits_are_counted_by_kind(tok):
         True,
     )
     assert len(tr.token_ids) == P + 6 and m["rollout/context_full"] == 1.0
-    # a tie between the turn limit and the context's room counts against the turn limit (the first
-    # in turn_room)
+    # a tie between the turn limit and the context's room
+    # counts against the turn limit (the first in turn_room)
     tr, _ = play(replace(roomy, max_total_tokens=P + 6), max_tokens=5)
     assert (tr.truncated_turns, tr.context_full) == (1, False)
 
@@ -1022,8 +1025,8 @@ def test_long_observations_train_on_exactly_the_sampled_tokens(tok, tight):
     im_end = tok.token_to_id("<|im_end|>")
     batch = to_batch(trajs, pad_id=0)
     for b, tr in enumerate(trajs):
-        # rebuild the trajectory from what the engine returned and the observations rendered, span
-        # by span
+        # rebuild the trajectory from what the engine returned
+        # and the observations rendered, span by span
         prompts = episode_prompts(engine, tr)
         assert prompts[0] == tr.token_ids[: tr.prompt_len]
         want, mask = list(prompts[0]), [0] * tr.prompt_len
@@ -1179,8 +1182,8 @@ def test_qwen3_token_in_token_out_despite_rerender_drift(tok):
     )
     (tr,) = run_episodes(engine, {"calc": CalcEnv()}, [task], tok, cfg, SamplingParams(), seed=0)
     assert tr.done and tr.reward == 1.0 and tr.num_turns == 3
-    # (8) each turn's prompt extends the previous prompt + its generation: nothing earlier is
-    # re-tokenized
+    # (8) each turn's prompt extends the previous prompt + its generation:
+    # nothing earlier is re-tokenized
     prompts = episode_prompts(engine, tr)
     assert len(prompts) == 3
     for prev, nxt in zip(prompts, prompts[1:]):
@@ -1190,10 +1193,9 @@ def test_qwen3_token_in_token_out_despite_rerender_drift(tok):
     # every generation prompt carried the empty think block...
     text = tok.decode(tr.token_ids, skip_special_tokens=False)
     assert text.count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == 3
-    # ...but Qwen3's template, re-rendering the finished conversation, keeps it only on the last
-    # assistant
-    # turn: the re-rendered text is not what the engine saw, so trajectories must be built
-    # token-in-token-out.
+    # ...but Qwen3's template, re-rendering the finished conversation, keeps it only on the
+    # last assistant turn: the re-rendered text is not what the engine saw,
+    # so trajectories must be built token-in-token-out.
     rerender = render(tr.messages, CalcEnv.TOOLS, chat_format="qwen3", enable_thinking=False)
     assert rerender.count("<think>") == 1 and rerender[:-1] != text
 
@@ -1244,8 +1246,8 @@ def test_real_toy_math_env_replays_demonstrations(tok):
     scripts = {}
     for task in tasks:
         demo = env.demonstration(task, random.Random(0), use_tools=True)
-        # the canonical text of each assistant turn = what render() writes after the generation
-        # prompt
+        # the canonical text of each assistant turn =
+        # what render() writes after the generation prompt
         texts = []
         for i, msg in enumerate(demo):
             if msg["role"] == "assistant":

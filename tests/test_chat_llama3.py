@@ -145,10 +145,10 @@ LLAMA31_TEMPLATE = r"""{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (the template as the checkpoints ship it, long lines and all)
 
-# Llama 3.2's differs in two places: today's date when the renderer offers strftime_now, and no
-# built-in tools
+# Llama 3.2's differs in two places: today's date when the renderer offers strftime_now,
+# and no built-in tools
 LLAMA32_TEMPLATE = LLAMA31_TEMPLATE.replace(
     '{%- if not date_string is defined %}\n    {%- set date_string = "26 Jul 2024" %}\n',
     "{%- if not date_string is defined %}\n    {%- if strftime_now is defined %}\n"
@@ -166,8 +166,8 @@ def _raise(msg):
 
 
 def _hf_tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' tojson filter (chat_template_utils), which takes indent= unlike a bare
-    # json.dumps(x)
+    # transformers' tojson filter (chat_template_utils),
+    # which takes indent= unlike a bare json.dumps(x)
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -192,8 +192,8 @@ def fn_call(name, arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-# Meta's JSON tool-calling example (llama.com, "Llama 3.1 prompt format", custom tools in the user
-# message)
+# Meta's JSON tool-calling example
+# (llama.com, "Llama 3.1 prompt format", custom tools in the user message)
 WEATHER = {
     "type": "function",
     "function": {
@@ -209,7 +209,9 @@ WEATHER = {
                 "unit": {
                     "type": "string",
                     "enum": ["Celsius", "Fahrenheit"],
-                    "description": "The temperature unit to use. Infer this from the user's location.",
+                    "description": (
+                        "The temperature unit to use. Infer this from the user's location."
+                    ),
                 },
             },
             "required": ["location", "unit"],
@@ -226,7 +228,10 @@ WEATHER_CONVO = [
     {
         "role": "tool",
         "name": "get_current_conditions",
-        "content": "Clouds giving way to sun Hi: 76° Tonight: Mainly clear early, then areas of low clouds forming Lo: 56°",
+        "content": (
+            "Clouds giving way to sun Hi: 76° Tonight: "
+            "Mainly clear early, then areas of low clouds forming Lo: 56°"
+        ),
     },
     {
         "role": "assistant",
@@ -403,8 +408,8 @@ def test_meta_json_tool_calling_example_by_hand():
         '                },\n                "unit": {\n                    "type": "string",\n'
         '                    "enum": [\n                        "Celsius",\n'
         '                        "Fahrenheit"\n                    ],\n'
-        '                    "description": "The temperature unit to use. Infer this from the user\'s '
-        'location."\n                }\n            },\n            "required": [\n'
+        '                    "description": "The temperature unit to use. Infer this from the '
+        'user\'s location."\n                }\n            },\n            "required": [\n'
         '                "location",\n                "unit"\n            ]\n        }\n    }\n}'
     )
     expected = (
@@ -412,15 +417,18 @@ def test_meta_json_tool_calling_example_by_hand():
         "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
         "You are a helpful assistant with tool calling capabilities.<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\n"
-        "Given the following functions, please respond with a JSON for a function call with its proper arguments "
-        "that best answers the given prompt.\n\n"
-        'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+        "Given the following functions, please respond with a JSON for a function call "
+        "with its proper arguments that best answers the given prompt.\n\n"
+        'Respond in the format {"name": function name, "parameters": '
+        "dictionary of argument name and its value}."
         "Do not use variables.\n\n" + tool_json + "\n\n"
         "Question: what is the weather like in San Fransisco?<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
-        '{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}'
+        '{"name": "get_current_conditions", '
+        '"parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}'
         "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"
-        '"Clouds giving way to sun Hi: 76° Tonight: Mainly clear early, then areas of low clouds forming Lo: 56°"'
+        '"Clouds giving way to sun Hi: 76° Tonight: '
+        'Mainly clear early, then areas of low clouds forming Lo: 56°"'
         "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
         "The weather in San Francisco is currently cloudy with a high of 76°F.<|eot_id|>"
     )
@@ -468,8 +476,8 @@ def test_render_continuation_by_hand():
 
 
 def test_departures_from_the_template():
-    # arguments as an OpenAI-style JSON string are written as the object (the template would quote
-    # the string)
+    # arguments as an OpenAI-style JSON string are written as the object
+    # (the template would quote the string)
     as_string = [
         U1,
         {"role": "assistant", "content": "", "tool_calls": [fn_call("add", '{"a": 2, "b": 3}')]},
@@ -679,8 +687,8 @@ def test_assistant_message_round_trips(text):
 # -----------------------------------------------------------------------------
 # the agent loop: a llama3 tokenizer, a scripted engine, a calculator env
 
-# CalcEnv: tests/test_agent.py's (add, then 'ANSWER: n' ends the episode); the format does not
-# change the env
+# CalcEnv: tests/test_agent.py's (add, then 'ANSWER: n' ends the episode);
+# the format does not change the env
 
 
 def calc_task(i, a, b):
@@ -764,8 +772,8 @@ def test_the_loop_appends_llama3_turns_token_exactly(llama_tok):
             "tool_calls": [fn_call("add", args)],
         }
         ids = tr.token_ids
-        # each sampled turn ends with the model's own end token, sampled (mask 1), and nothing is
-        # forced after it
+        # each sampled turn ends with the model's own end token,
+        # sampled (mask 1), and nothing is forced after it
         sampled = [i for i, m in enumerate(tr.loss_mask) if m]
         ends = [ids[i] for i in sampled if ids[i] in (eot, eom)]
         assert ends == [eot if end == EOT else eom, eot]
@@ -847,8 +855,8 @@ def test_the_embedded_qwen_model_is_refused_before_it_is_built(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# end to end: a tiny Llama-architecture model with our own Llama tokenizer, SFT, then RL through
-# train.main
+# end to end: a tiny Llama-architecture model with our own Llama tokenizer,
+# SFT, then RL through train.main
 
 
 @pytest.mark.slow
@@ -972,8 +980,8 @@ def test_tiny_llama_trains_end_to_end(tmp_path):
     assert any(
         "tool_calls" in m for e in episodes for m in e["messages"] if m["role"] == "assistant"
     )
-    # the trained folder loads in transformers, and its template renders the dumped conversations as
-    # we do
+    # the trained folder loads in transformers,
+    # and its template renders the dumped conversations as we do
     transformers = need("transformers", "the oracle of Hugging Face's own template rendering")
     hf = transformers.AutoTokenizer.from_pretrained(f"{summary['run_dir']}/final")
     for e in episodes:

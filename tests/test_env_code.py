@@ -147,8 +147,8 @@ def test_train_and_test_never_overlap_and_share_families(code_env):
     test = code_env.sample_tasks("test", 200, seed=0)
     assert not train & {t.prompt for t in test}
     assert all(split_of(t.prompt) == "test" for t in test)
-    # held out means new parameters, not new families: the held-out families are all seen in
-    # training
+    # held out means new parameters, not new families:
+    # the held-out families are all seen in training
     assert len({t.meta["family"] for t in test}) > 45
 
 
@@ -188,16 +188,17 @@ def test_tasks_survive_json_lines(code_env, tmp_path):
             0,
             "f(1) returned 0, expected 10",
         ),
-        # objects equal to everything (the sandbox runs classes): compared as plain data, they pass
-        # nothing
+        # objects equal to everything (the sandbox runs classes):
+        # compared as plain data, they pass nothing
         (
             "class A:\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return A()",
             0,
-            "f(1) returned a value that cannot be compared: TypeError('the result is not plain data (None, bool, int, "
-            "float, str, or lists, ",
+            "f(1) returned a value that cannot be compared: "
+            "TypeError('the result is not plain data (None, bool, int, float, str, or lists, ",
         ),
         (
-            "class I(int):\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return I(0)",
+            "class I(int):\n    def __eq__(self, o):\n        return True\ndef f(x):\n"
+            "    return I(0)",
             0,
             "f(1) returned 0, expected 10",
         ),
@@ -218,7 +219,10 @@ def test_partial_credit(code_env, code, passed, error):
 
 def test_printed_results_cannot_spoof_the_grade(code_env):
     # print restored, then a fake result line for every nonce format it could guess, then a wrong f
-    fake = "del print\nfor n in ['', '0' * 16, 'NONCE']:\n    print('RESULT', n, 4, '')\ndef f(x):\n    return 0\n"
+    fake = (
+        "del print\nfor n in ['', '0' * 16, 'NONCE']:\n    print('RESULT', n, 4, '')\n"
+        "def f(x):\n    return 0\n"
+    )
     result = grade(fake, linear_task(code_env).meta["tests"], timeout_s=2.0)
     assert (result.passed, result.reward) == (0, 0.0)
     # the submission's own prints are silenced, so megabytes of them do not hide the result line
@@ -333,10 +337,11 @@ def test_python_exec_runs_and_the_episode_goes_on(code_env):
     [
         ("Here:\n```python\ndef f(x):\n    return x\n```\nDone.", "def f(x):\n    return x\n"),
         ("```\nold\n```\nthen\n```py\nnew\n```", "new\n"),
+        # cut off by the token limit
         (
             "```python\ndef f(x):\n    return x",
             "def f(x):\n    return x",
-        ),  # cut off by the token limit
+        ),
         ("def f(x): return x", "def f(x): return x"),  # no fence: the whole text
     ],
 )

@@ -46,17 +46,29 @@ OWN = [
     {
         "task_id": "Own/0",
         "entry_point": "add",
-        "prompt": 'def add(a: int, b: int) -> int:\n    """Return a + b.\n    >>> add(2, 3)\n    5\n    """\n',
+        "prompt": (
+            'def add(a: int, b: int) -> int:\n    """Return a + b.\n'
+            '    >>> add(2, 3)\n    5\n    """\n'
+        ),
         "canonical_solution": "    return a + b\n",
-        "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+        "test": (
+            "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+            "    assert candidate(-1, 1) == 0\n"
+        ),
     },
     {
         "task_id": "Own/1",
         "entry_point": "shout",
-        "prompt": 'import string\n\n\ndef _bang(s):\n    return s + "!"\n\n\ndef shout(s: str) -> str:\n'
-        '    """s in upper case with a bang: shout("hi") == "HI!"."""\n',
+        "prompt": (
+            'import string\n\n\ndef _bang(s):\n    return s + "!"\n\n\n'
+            "def shout(s: str) -> str:\n"
+            '    """s in upper case with a bang: shout("hi") == "HI!"."""\n'
+        ),
         "canonical_solution": "    return _bang(s.upper())\n",
-        "test": "def check(candidate):\n    assert candidate('hi') == 'HI!'\n    assert candidate('') == '!'\n",
+        "test": (
+            "def check(candidate):\n    assert candidate('hi') == 'HI!'\n"
+            "    assert candidate('') == '!'\n"
+        ),
     },
 ]
 
@@ -149,7 +161,8 @@ def grade_add(code, timeout_s=5.0):
         # add is still the stub
         ("def plus(a, b):\n    return a + b", False, "a test failed: AssertionError"),
         (
-            "class A:\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return A()",
+            "class A:\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n"
+            "    return A()",
             False,
             # equal to everything, compared as plain data
             "a test raised TypeError('the result is not plain data",

@@ -302,7 +302,8 @@ def test_the_state_line_lists_the_commands_played_then_the_admissible_ones_line_
         *state.admissible,
     ]
     assert tw.state_line(tw.reset(task, seed=0)[0]).startswith(
-        f"Score: 0/{task.meta['max_score']}. Commands played so far (0): none yet.\nAdmissible now:\n"
+        f"Score: 0/{task.meta['max_score']}. Commands played so far (0): none yet.\n"
+        "Admissible now:\n"
     )
 
 

@@ -146,15 +146,15 @@ def test_a_scripted_client_session_is_the_agent_loops_trajectory(tok):
             tasks,
             [
                 [
-                    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n<tool_call>\n{"name": "add", '
-                    '"arguments": {"a": 3, "b": 2}}\n</tool_call>',
+                    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 2}}\n</tool_call>',
                     'Double-check.\n<tool_call>\n{"name": "add", "arguments": '
                     '{"a": 5, "b": 0}}\n</tool_call>',
                     "ANSWER: 5",
                 ],
                 [
-                    '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 17}}\n</tool_call>\n<tool_call>\n{"name": "add", '
-                    '"arguments": {"a": 17, "b": 40}}\n</tool_call>',
+                    '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 17}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 40}}\n</tool_call>',
                     'Double-check.\n<tool_call>\n{"name": "add", "arguments": '
                     '{"a": 57, "b": 0}}\n</tool_call>',
                     "ANSWER: 57",
@@ -271,9 +271,8 @@ def test_failed_episodes_are_counted_and_marked_for_dropping(tok, engine):
     assert [t.finish_reason for t in trajs] == ["done"] + ["env_error"] * 5 + ["done"] + [
         "env_error"
     ] * 3 + ["done"]
-    # raise, silent, wrong temperature, no session
     assert metrics == {
-        "rollout/external_errors": 4.0,
+        "rollout/external_errors": 4.0,  # raise, silent, wrong temperature, no session
         "rollout/external_timeouts": 1.0,
         "rollout/external_no_reward": 2.0,
         "rollout/external_branched": 1.0,
@@ -643,8 +642,10 @@ def test_train_main_trains_an_agent_that_rewrites_its_history(tiny, tmp_path):
     (tmp_path / "rewriter.py").write_text(
         "import json, urllib.request\n"
         "def ask(url, session, text):\n"
-        "    body = {'model': 'm', 'user': session, 'messages': [{'role': 'user', 'content': text}]}\n"
-        "    r = urllib.request.urlopen(urllib.request.Request(url + '/chat/completions', json.dumps(body).encode(),\n"
+        "    body = {'model': 'm', 'user': session, "
+        "'messages': [{'role': 'user', 'content': text}]}\n"
+        "    r = urllib.request.urlopen(urllib.request.Request(url + '/chat/completions', "
+        "json.dumps(body).encode(),\n"
         "                               {'Content-Type': 'application/json'}))\n"
         "    return json.loads(r.read())['choices'][0]['message']['content'] or ''\n"
         "def run(task, base_url, session):\n"

@@ -128,7 +128,8 @@ def test_a_bare_score_is_on_the_rubrics_scale():
 def test_transcript_leaves_out_the_system_prompt_and_shows_tool_calls():
     assert transcript(CONVERSATION) == (
         "USER: What is 12*7?\n\n"
-        'ASSISTANT: <tool_call>\n{"name": "python_eval", "arguments": {"code": "12*7"}}\n</tool_call>\n\n'
+        'ASSISTANT: <tool_call>\n{"name": "python_eval", "arguments": {"code": "12*7"}}\n'
+        "</tool_call>\n\n"
         "TOOL (python_eval): 84\n\n"
         "ASSISTANT: The answer is 84."
     )

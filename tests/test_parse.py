@@ -32,11 +32,11 @@ TOOLS = [
         },
     }
 ]
-# The parser promises bounded time: no input makes it scan super-linearly (ReDoS, quadratic
-# rescans). These tests guard that promise, not a speed target (bench/ holds those): BOUND_S of this
-# thread's CPU time, the best of three parses, so neither another process on the cores nor one
-# preemption or garbage collection can fail them, while a super-linear blowup on these inputs costs
-# seconds.
+# The parser promises bounded time: no input makes it scan super-linearly
+# (ReDoS, quadratic rescans). These tests guard that promise, not a speed target
+# (bench/ holds those): BOUND_S of this thread's CPU time, the best of three parses,
+# so neither another process on the cores nor one preemption or garbage collection
+# can fail them, while a super-linear blowup on these inputs costs seconds.
 BOUND_S = 0.05
 
 
@@ -93,8 +93,8 @@ def test_well_formed_calls_are_unchanged():
 
 
 def test_well_formed_but_not_canonical_stays_in_content():
-    # parsed as a call, but kept verbatim in the message, so the conversation re-renders to what was
-    # sampled
+    # parsed as a call, but kept verbatim in the message,
+    # so the conversation re-renders to what was sampled
     for text in [
         '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',  # no newlines
         canonical("add", {"a": 1}) + "\nand some text after",  # not at the end
@@ -185,8 +185,8 @@ RECOVERABLE = [
         ("python_eval", {"code": 'd = {"a": "}}"}; print("{")'}),
         "single quotes",
     ),
-    # a missing </tool_call> at the end (a generation cut by max_tokens): the call if its JSON is
-    # complete
+    # a missing </tool_call> at the end (a generation cut by max_tokens):
+    # the call if its JSON is complete
     (
         '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n',
         ("add", {"a": 1}),
@@ -272,8 +272,8 @@ def test_several_calls_in_one_message_mixed():
 
 
 # -----------------------------------------------------------------------------
-# a tag inside a JSON string does not end the block; an unbalanced quote does not swallow the calls
-# after it
+# a tag inside a JSON string does not end the block;
+# an unbalanced quote does not swallow the calls after it
 
 PRINT_OPEN = {"code": 'print("<tool_call>")'}
 TAG_IN_STRING = [
@@ -321,7 +321,10 @@ def test_tag_inside_a_json_string_with_other_damage():
         and "not closed (truncated" in error
     )
     # not closed before the next block
-    text = '<tool_call>{"name": "a", "arguments": {"s": "<tool_call>"}}<tool_call>{"name": "b"}</tool_call>'
+    text = (
+        '<tool_call>{"name": "a", "arguments": {"s": "<tool_call>"}}'
+        '<tool_call>{"name": "b"}</tool_call>'
+    )
     calls, error = parse_tool_calls(text)
     assert (
         calls == [ToolCall("a", {"s": "<tool_call>"}), ToolCall("b", {})]
@@ -332,8 +335,8 @@ def test_tag_inside_a_json_string_with_other_damage():
 
 BROKEN_A = block('{"name": "a", "arguments": {"x": "oops}}')  # an unbalanced quote
 UNBALANCED = [
-    # (text, the calls it must give): what the block-by-block reading gives, as before the
-    # string-aware scan
+    # (text, the calls it must give): what the block-by-block reading gives,
+    # as before the string-aware scan
     (BROKEN_A + "\n" + canonical("b", {"y": 1}), [ToolCall("b", {"y": 1})]),
     # two of them
     (
@@ -352,11 +355,11 @@ UNBALANCED = [
         '<tool_call>{"name": "a", "arguments": {"x": "it"s"}}</tool_call>' + canonical("b", {}),
         [ToolCall("b", {})],
     ),
-    # the longer reading gives a call but leaves text after its JSON (here, the call it ran over):
-    # refused
+    # the longer reading gives a call but leaves text after its JSON
+    # (here, the call it ran over): refused
     (
-        '<tool_call>{"name": "f", "arguments": {"a": "<tool_call>"}}</tool_cal>\n{"name": "add", "arguments": {}}'
-        "</tool_call>",
+        '<tool_call>{"name": "f", "arguments": {"a": "<tool_call>"}}</tool_cal>\n'
+        '{"name": "add", "arguments": {}}</tool_call>',
         [ToolCall("add", {})],
     ),
 ]
@@ -370,8 +373,8 @@ def test_unbalanced_quote_does_not_swallow_the_calls_after_it(text, expected):
 
 
 # -----------------------------------------------------------------------------
-# several JSON objects in one <tool_call>: each is read as a call, and the error says so (one object
-# per tag)
+# several JSON objects in one <tool_call>:
+# each is read as a call, and the error says so (one object per tag)
 
 A, B = '{"name": "a", "arguments": {"x": 1}}', '{"name": "b", "arguments": {}}'
 SEVERAL = [
@@ -495,8 +498,8 @@ def test_limits_on_size_and_count():
         "x" * 1_000_000,
         "<tool_call>" + "\\" * 99_000,
         "<tool_call>\n" + '{"name": "a", "arguments": {"code": "' + "\\n" * 40_000 + '"}}',
-        # tags inside strings, quotes that flip at every tag, escaped quotes, many objects in one
-        # tag
+        # tags inside strings, quotes that flip at every tag,
+        # escaped quotes, many objects in one tag
         '<tool_call>{"name": "a", "arguments": {"x": "' + "</tool_call>" * 70 + '"}}</tool_call>',
         ('<tool_call>"' + "x" * 1_500) * 64,
         '"<tool_call>' * 8_000,

@@ -128,7 +128,8 @@ def test_check_paths(tmp_path):
         (f"model.path={tmp_path}/nope", f"model.path='{tmp_path}/nope': no such folder"),
         (
             f"resume={model}",
-            f"resume={model!r} is not a checkpoint folder: it has no trainer_state.pt or checkpoint.json",
+            f"resume={model!r} is not a checkpoint folder: "
+            "it has no trainer_state.pt or checkpoint.json",
         ),
         ("envs.0.name=datset", "unknown env 'datset'"),
     ]:

@@ -197,9 +197,9 @@ def test_cannot_fork_or_exec(open_dir):
 
 
 def test_no_new_processes_even_without_the_policy_layers(open_dir):
-    # RLIMIT_NPROC = 0 for the child's (unprivileged) user: fork fails, and so does everything built
-    # on it. (exec *without* fork, which replaces the sandbox process itself, is stopped only by
-    # layers 2-3.)
+    # RLIMIT_NPROC = 0 for the child's (unprivileged) user: fork fails,
+    # and so does everything built on it. (exec *without* fork, which replaces the sandbox
+    # process itself, is stopped only by layers 2-3.)
     marker = open_dir / "marker"
     text, kind = execute_python("import os\nos.fork()", _policy=False)
     assert kind == "error" and "BlockingIOError" in text
@@ -370,8 +370,8 @@ def test_escape_attempts_are_refused(code, reason):
         ("import operator\noperator.attrgetter('real')", "no attribute 'attrgetter'"),
         ("exec('1')", "name 'exec' is not defined"),
         ("compile('1', '', 'eval')", "name 'compile' is not defined"),
-        # eval exists, but holds its string to the program's own rules (AST check, builtins, audit
-        # hook)
+        # eval exists, but holds its string to the program's own rules
+        # (AST check, builtins, audit hook)
         ("eval('__import__(\"os\")')", "eval() refused: the name __import__ is not allowed"),
         ("eval('()._' + '_class__')", "eval() refused: attribute access .__class__ is not allowed"),
         # a bare dict does not get the real builtins
@@ -392,8 +392,8 @@ def test_what_the_ast_check_lets_through_fails_at_run_time(code, needle):
 
 
 def test_the_child_checks_again():
-    # Feed the child a forbidden program directly, bypassing the parent's check: it refuses by
-    # itself.
+    # Feed the child a forbidden program directly, bypassing the parent's check:
+    # it refuses by itself.
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "program.py"), "w") as f:
             f.write("import os\nos.getuid()")
@@ -515,13 +515,14 @@ def test_concurrent_calls_are_independent():
 @pytest.mark.parametrize(
     "code, expected",
     [
-        # non-ASCII names: the parser loads unicodedata lazily, which the child could not do as
-        # nobody
+        # non-ASCII names: the parser loads unicodedata lazily,
+        # which the child could not do as nobody
         ("π = 3.14\nπ * 2", "6.28"),
         ("été, naïve = 'summer', 1\nété", "'summer'"),
         ("import unicodedata\nunicodedata.normalize('NFD', 'é') == 'e\\u0301'", "True"),
         (
-            "from typing import List, Optional, Tuple\ndef f(xs: List[int]) -> Optional[Tuple[int, ...]]:\n"
+            "from typing import List, Optional, Tuple\n"
+            "def f(xs: List[int]) -> Optional[Tuple[int, ...]]:\n"
             "    return tuple(xs) or None\nf([1, 2]), f([])",
             "((1, 2), None)",
         ),
@@ -535,7 +536,8 @@ def test_concurrent_calls_are_independent():
             "([[1], {'a': [2]}], [[1, 3], {'a': [2]}])",
         ),
         (
-            "import heapq, bisect\nh = [5, 1, 4]\nheapq.heapify(h)\nheapq.heappop(h), bisect.bisect_left([1, 3, 5], 4)",
+            "import heapq, bisect\nh = [5, 1, 4]\nheapq.heapify(h)\n"
+            "heapq.heappop(h), bisect.bisect_left([1, 3, 5], 4)",
             "(1, 2)",
         ),
         (
@@ -543,23 +545,26 @@ def test_concurrent_calls_are_independent():
             "[2, 1, 5]",
         ),
         (
-            "import collections\ncollections.deque([1, 2, 3], maxlen=2), collections.defaultdict(int)['k']",
+            "import collections\n"
+            "collections.deque([1, 2, 3], maxlen=2), collections.defaultdict(int)['k']",
             "(deque([2, 3], maxlen=2), 0)",
         ),
         ("import re\nre.sub(r'(\\w+)@', r'<\\1>', 'me@x you@y')", "'<me>x <you>y'"),
         # classes: attributes, class variables, inheritance and super().__init__(), dunder methods
         (
-            "class Stack:\n    count = 0\n    def __init__(self):\n        self.items = []\n        Stack.count += 1\n"
-            "    def push(self, x):\n        self.items.append(x)\n        return self\n    def __len__(self):\n"
-            "        return len(self.items)\n"
-            "class Named(Stack):\n    def __init__(self, name):\n        super().__init__()\n        self.name = name\n"
+            "class Stack:\n    count = 0\n"
+            "    def __init__(self):\n        self.items = []\n        Stack.count += 1\n"
+            "    def push(self, x):\n        self.items.append(x)\n        return self\n"
+            "    def __len__(self):\n        return len(self.items)\n"
+            "class Named(Stack):\n"
+            "    def __init__(self, name):\n        super().__init__()\n        self.name = name\n"
             "    def __repr__(self):\n        return f'{self.name}:{self.items}'\n"
             "s = Named('a').push(1).push(2)\ns, len(s), Stack.count, isinstance(s, Stack)",
             "(a:[1, 2], 2, 1, True)",
         ),
         (
-            "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n    def __eq__(self, other):\n"
-            "        return (self.x, self.y) == (other.x, other.y)\n"
+            "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+            "    def __eq__(self, other):\n        return (self.x, self.y) == (other.x, other.y)\n"
             "    def __hash__(self):\n        return hash((self.x, self.y))\n"
             "    @property\n    def norm1(self):\n        return abs(self.x) + abs(self.y)\n"
             "    @staticmethod\n    def origin():\n        return Point(0, 0)\n"
@@ -572,8 +577,8 @@ def test_concurrent_calls_are_independent():
             "caught none left",
         ),
         ("def main():\n    print('ran')\nif __name__ == '__main__':\n    main()", "ran"),
-        # eval of an expression built at run time (HumanEval/160 does this), under the program's
-        # rules
+        # eval of an expression built at run time (HumanEval/160 does this),
+        # under the program's rules
         (
             "ops, nums = ['**', '*', '+'], [2, 3, 4, 5]\ne = str(nums[0])\n"
             "for o, n in zip(ops, nums[1:]):\n    e += o + str(n)\n"
@@ -592,9 +597,10 @@ def test_real_programs_run(code, expected):
     "code",
     [
         "(" * 1000 + "1" + ")" * 1000,  # the tokenizer's own bracket limit (200)
+        # past MAX_NESTING: refused before any process
         "x = " + "[" * 1000 + "]" * 1000,
         "-" * 1000 + "1",
-        "x = " + "not " * 1000 + "1",  # past MAX_NESTING: refused before any process
+        "x = " + "not " * 1000 + "1",
         "1" + " + 1" * 1000,
         "x = [0]\nx" + "[0]" * 1000,
         "import math\nmath" + ".pi" * 1000,
@@ -623,7 +629,8 @@ def test_nesting_up_to_the_limit_runs():
     "code, expected",
     [
         (
-            "class E(Exception):\n    def __str__(self):\n        raise ValueError('no')\nraise E()",
+            "class E(Exception):\n    def __str__(self):\n        raise ValueError('no')\n"
+            "raise E()",
             "Error: E",
         ),
         ("class E(Exception):\n    def __str__(self):\n        return 5\nraise E()", "Error: E"),
@@ -772,8 +779,8 @@ def test_python_exec_tool_in_a_step():
 
 
 def test_code_that_parses_but_does_not_compile_is_a_syntax_error():
-    # the AST check accepts these; compile() in the child refuses them, and that must read as a
-    # SyntaxError
+    # the AST check accepts these; compile() in the child refuses them,
+    # and that must read as a SyntaxError
     assert execute_python("return 5") == (
         "Error: SyntaxError: 'return' outside function (line 1)",
         "error",

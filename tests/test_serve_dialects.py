@@ -67,8 +67,8 @@ def sse(host: str, port: int, path: str, body: dict) -> list:
     data = json.dumps(body).encode()
     with socket.create_connection((host, port), timeout=60) as s:
         s.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
-            f"\r\nConnection: close\r\n\r\n".encode()
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
             + data
         )
         raw = b""
@@ -231,8 +231,8 @@ def test_a_client_that_leaves_is_not_recorded_and_is_counted(tok, stream):
         ).encode()
         with socket.create_connection(server.address, timeout=60) as s:
             s.sendall(
-                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n".encode()
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
                 + data
             )
             received = b""
