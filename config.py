@@ -1,9 +1,8 @@
-"""config.py: the one config tree of a run, and how YAML files and `key.sub=value` overrides fill
-it.
+"""config.py: the one config tree of a run, filled from YAML files and `key.sub=value` overrides.
 
 Every knob of a run is a field of the dataclass tree below, with a comment saying what it does. A
-YAML file in configs/ holds only what differs from these defaults; the command line can override any
-leaf:
+YAML file in configs/ holds only what differs from these defaults; the command line can override
+any leaf:
 
     python train.py --config configs/toy_math.yaml rollout.temperature=0.8 learner.lr=3e-5
 
@@ -12,8 +11,8 @@ valid key (a typo must never silently train with the default). A wing's settings
 wing (WING_CHECKS). The files a config names are checked by the entry points (runs.check_paths); bad
 input ends as one line, `config error: ...`, and exit status 2 (config_exit), before anything is
 built. The resolved config is saved with the run.
-Imports: agent.py, learner.py (the dataclasses it assembles), algos.py, chat.py (the catalogues it
-checks names in).
+Imports: agent.py and learner.py (the dataclasses it assembles), algos.py and chat.py (the
+catalogues it checks names in).
 """
 
 import dataclasses
@@ -34,13 +33,14 @@ from learner import LearnerConfig
 
 @dataclass
 class ModelSpec:
-    """Where the policy comes from (model.ModelConfig is its architecture, read from the folder's
-    config.json)."""
+    """Where the policy comes from (model.ModelConfig is its architecture, read from the
+    folder's config.json)."""
 
     # a Hugging Face folder (config.json, tokenizer.json, *.safetensors), or "default": the embedded
     # tiny model, built on first use and cached
     path: str = "default"
-    dtype: str = "float32"  # parameter dtype of the learner and the torch engine (float32|bfloat16)
+    # parameter dtype of the learner and the torch engine: float32 | bfloat16 | float16
+    dtype: str = "float32"
     cache_dir: str = ".cache"  # where the embedded default model is built and cached
     # the frozen base of a LoRA run: "none" (model.dtype) or "nf4" (4-bit NormalFloat, QLoRA:
     # wings/qlora.py; needs learner.lora_rank > 0)
@@ -51,7 +51,8 @@ class ModelSpec:
 class EnvSpec:
     name: str = "toy_math"  # an env registered in env.py (env.make_env)
     weight: float = 1.0  # share of each training batch's prompts drawn from this env
-    eval_size: int = 256  # held-out tasks evaluated for this env (its own eval/<name>/... metrics)
+    # held-out tasks evaluated for this env (its own eval/<name>/... metrics)
+    eval_size: int = 256
     # passed to env.make_env(name, **kwargs) (difficulty knobs)
     kwargs: dict = field(default_factory=dict)
 
@@ -65,13 +66,16 @@ class JudgeConfig:
     # the judge's Hugging Face folder (its tokenizer renders the rubric; the openai engine asks its
     # server for a model of this name). "": no LLM judge
     model_path: str = ""
-    engine: str = "torch"  # torch | vllm (in this process) | openai (the server at base_url)
+    # torch | vllm (in this process) | openai (the server at base_url)
+    engine: str = "torch"
     base_url: str = "http://localhost:8001/v1"  # engine=openai: the judge's server, ending in /v1
     # the judge's chat format (chat.CHAT_FORMATS), its own, not the policy's
     chat_format: str = "qwen2.5"
     temperature: float = 0.0  # the judge's sampling temperature (0: greedy)
-    max_tokens: int = 256  # the judge's reply, in tokens at most (cut before its score: a failure)
-    rubric: str = ""  # the judge's prompt, a template of judge.RUBRIC_FIELDS; "": judge.RUBRIC
+    # the judge's reply, in tokens at most (cut before its score: a failure)
+    max_tokens: int = 256
+    # the judge's prompt, a template of judge.RUBRIC_FIELDS ("": judge.RUBRIC)
+    rubric: str = ""
 
 
 @dataclass
@@ -82,7 +86,8 @@ class RolloutConfig:
     engine: str = "torch"
     # openai engine: the server (e.g. `vllm serve`), ending in /v1
     base_url: str = "http://localhost:8000/v1"
-    served_model: str = ""  # openai engine: the model name the server knows (default: model.path)
+    # openai engine: the model name the server knows (default: model.path)
+    served_model: str = ""
     # openai engine: the environment variable holding the server's token ("": none)
     api_key_env: str = ""
     # openai engine through `vllm serve`: each push is written here and the server reloads it. "":
@@ -90,9 +95,11 @@ class RolloutConfig:
     weights_dir: str = ""
     # tasks per RL step; each is sampled agent.n_samples times (the group)
     prompts_per_step: int = 16
-    temperature: float = 1.0  # sampling temperature (the learner scores at the same temperature)
+    # sampling temperature (the learner scores at the same temperature)
+    temperature: float = 1.0
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1] (1: off)
-    top_k: int = 0  # sample among the top_k most likely tokens only (0: off); top-k, then top-p
+    # sample among the top_k most likely tokens only (0: off); applied before top_p
+    top_k: int = 0
     max_tokens: int = 96  # new tokens per assistant turn at most
     max_batch_size: int = 256  # sequences the engine decodes at once
     # torch engine: keep the keys/values of up to this many positions between calls, so a turn
@@ -106,12 +113,13 @@ class RolloutConfig:
     # the weight-sync gate after every push (rollout.py): the engine continues this many
     # trajectories (one per group, longest first), the learner scores them (0: off)
     sync_check_samples: int = 4
-    sync_check_tokens: int = 8  # ... by this many tokens each
-    # ... and the run stops past this gap (None: default_sync_threshold)
+    # the weight-sync gate: tokens each of those trajectories is continued by
+    sync_check_tokens: int = 8
+    # the weight-sync gate: the run stops past this log-prob gap (None: default_sync_threshold)
     sync_max_logprob_diff: float | None = None
     # training only: + judge_weight * a judge's score (the env's, or rollout.judge's)
     judge_weight: float = 0.0
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge (wings/judge.py; off)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge, off (wings/judge.py)
     # sample later batches while the learner trains (wings/async_rollouts.py); needs
     # learner.off_policy (tis or mis)
     async_rollouts: bool = False
@@ -132,7 +140,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"  # a preset of ALGO_PRESETS below: it sets the defaults of the knobs it names
+    # a preset of ALGO_PRESETS below: it sets the defaults of the knobs it names
+    name: str = "grpo"
     # grpo|drgrpo|rloo (algos.group_advantages) | reinforce_pp|reinforce_pp_baseline
     # (algos.reinforce_pp_advantages) | gae (a critic) | none (distillation alone)
     advantage: str = "grpo"
@@ -151,13 +160,15 @@ class AlgoConfig:
     skip_uniform_batches: bool = True
     # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     dynamic_sampling: bool = False
-    max_refill_rounds: int = 3  # extra rollout rounds at most per step when dynamic_sampling is on
+    # extra rollout rounds at most per step when dynamic_sampling is on
+    max_refill_rounds: int = 3
     # DAPO's soft overlong punishment ramp, in tokens (algos.overlong_penalty; 0: off)
     overlong_cache: int = 0
     # an episode cut by a length limit trains: keep (as sampled) | mask (no loss) | penalize (reward
     # less truncation_penalty) (algos.truncation_treatment)
     truncation: str = "keep"
-    truncation_penalty: float = 1.0  # truncation=penalize: subtracted from a cut episode's reward
+    # truncation=penalize: subtracted from a cut episode's reward
+    truncation_penalty: float = 1.0
     # learner.kl_coef * KL(policy || ref) from the reward instead of in the loss
     kl_in_reward: bool = False
     gamma: float = 1.0  # discount over tokens: GAE (ppo) and REINFORCE++'s returns
@@ -170,15 +181,17 @@ class AlgoConfig:
 # What each algorithm changes from the defaults (dotted keys, applied before YAML and overrides).
 ALGO_PRESETS: dict[str, dict] = {
     "grpo": {},  # DeepSeekMath, 2402.03300
+    # Dr.GRPO, 2503.20783: no std, no length norm
     "drgrpo": {
-        "algo.advantage": "drgrpo",  # Dr.GRPO, 2503.20783: no std, no length norm
+        "algo.advantage": "drgrpo",
         "learner.loss.agg_mode": "seq-mean-token-sum-norm",
         "learner.loss.agg_norm": 64.0,
     },
     "rloo": {"algo.advantage": "rloo"},  # RLOO, 2402.14740
+    # DAPO, 2503.14476
     "dapo": {
         "learner.policy_loss": "dapo",
-        "algo.dynamic_sampling": True,  # DAPO, 2503.14476
+        "algo.dynamic_sampling": True,
         "algo.overlong_cache": 64,
     },
     # GSPO, 2507.18071
@@ -201,33 +214,36 @@ class SFTConfig:
     """The warm start of the embedded default model (only used when model.path == "default")."""
 
     max_steps: int = 600  # SFT optimizer steps at most
-    batch_size: int = 64  # demonstrations per step (rows, under a memory policy: its segments)
+    # demonstrations per step (rows, under a memory policy: its segments)
+    batch_size: int = 64
     lr: float = 1e-3  # AdamW learning rate (constant after a short warmup)
     # share of demonstrations that call python_eval before finish (the rest answer)
     tool_use_prob: float = 0.5
-    eval_every: int = 50  # check held-out accuracy this often ...
-    eval_size: int = 64  # ... on this many held-out tasks, sampled at rollout.temperature
+    eval_every: int = 50  # steps between held-out accuracy checks
+    # held-out tasks of each accuracy check, sampled at rollout.temperature
+    eval_size: int = 64
     # stop once sampled held-out accuracy reaches this (a minority solved)
     target_accuracy: float = 0.25
     num_demos: int = 10000  # distinct training demonstrations
     vocab_size: int = 1024  # byte-level BPE vocabulary at most, special tokens included
-    hidden_size: int = 128  # tiny Qwen2 architecture ...
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 352
+    hidden_size: int = 128  # the tiny Qwen2 model's width
+    num_layers: int = 4  # its decoder layers
+    num_heads: int = 4  # its query heads
+    num_kv_heads: int = 2  # its key/value heads
+    intermediate_size: int = 352  # its MLP width
     # seed of the tokenizer corpus, the init and the SFT data (None: the run's seed)
     seed: int | None = None
-    # the first steps train each row's last short_context_tokens only: attention
+    # the first steps train each row's last short_context_tokens only: attention learns to read
+    # the last turn before a long prompt dilutes it (docs/memory.md)
     short_context_steps: int = 0
-    # learns to read the last turn before a long prompt dilutes it (docs/memory.md)
+    # tokens at the end of each row that those first steps train
     short_context_tokens: int = 64
 
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation beyond one episode per task (eval.py); the tasks are envs[i].eval_size
-    and eval_seed."""
+    """Held-out evaluation beyond one episode per task (eval.py). The tasks themselves are set
+    by envs[i].eval_size and eval_seed."""
 
     # episodes per held-out task, each with its own seed (set eval_temperature > 0)
     n_samples: int = 1
@@ -237,12 +253,15 @@ class EvalConfig:
 
 @dataclass
 class RayConfig:
-    """The `ray:` section (wings/cluster.py, docs/scaling.md): learner ranks as Ray actors, rollout
-    workers."""
+    """The `ray:` section (wings/cluster.py, docs/scaling.md): learner ranks as Ray actors,
+    and rollout workers."""
 
-    address: str = ""  # the cluster to join: "" = $RAY_ADDRESS, else a local Ray; or "HEAD_IP:6379"
-    placement_strategy: str = "PACK"  # PACK (few nodes) | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # the cluster to join: "HEAD_IP:6379", or "": $RAY_ADDRESS if set, else a local Ray
+    address: str = ""
+    # PACK (few nodes) | SPREAD | STRICT_PACK | STRICT_SPREAD
+    placement_strategy: str = "PACK"
     # --- the learner's ranks as actors (launch_on_ray)
+
     # N > 0: N learner actors, one rank each; 0: this process (or torchrun's ranks)
     learner_workers: int = 0
     # CPUs Ray reserves for each learner actor (its torch threads default to this)
@@ -250,39 +269,46 @@ class RayConfig:
     # GPUs Ray reserves for each learner actor: 1 on GPU machines (one rank per GPU)
     gpus_per_learner: float = 0.0
     # --- rollout workers and dispatchers (start_ray_rollouts, dispatch); rank 0 alone talks to them
+
     # RolloutWorker actors (an engine + the agent loop each); 0: this process
     rollout_workers: int = 0
     # EnvWorker actors for CPU-heavy env steps (async_pipeline needs at least 1)
     env_workers: int = 0
-    dispatcher: str = "async_batch"  # async_batch | async_batch_bounded | async_pipeline (dispatch)
+    # async_batch | async_batch_bounded | async_pipeline (dispatch)
+    dispatcher: str = "async_batch"
     # task groups per unit of work: one worker call, one seed (from its first group)
     chunk_groups: int = 1
     # chunks in flight at most (bounded dispatchers; 0: one or two per worker)
     max_in_flight: int = 0
-    cpus_per_worker: float = 1.0  # each rollout worker's placement-group bundle: CPUs ...
-    gpus_per_worker: float = 0.0  # ... and GPUs (0 on CPU machines; 1 = a GPU of its own)
+    cpus_per_worker: float = 1.0  # CPUs in each rollout worker's placement-group bundle
+    # GPUs in each rollout worker's bundle (0 on CPU machines, 1: a GPU of its own)
+    gpus_per_worker: float = 0.0
     # CPUs of each env worker (no GPU; placed wherever Ray finds room)
     cpus_per_env_worker: float = 1.0
 
 
 @dataclass
 class Config:
-    seed: int = 0  # seeds task sampling, the engine and the learner (all derived per step)
+    # seeds task sampling, the engine and the learner (all derived per step)
+    seed: int = 0
     run_name: str = "toy_math"  # the run folder is out_dir/run_name
     out_dir: str = "runs"  # where run folders go
     steps: int = 40  # RL steps
-    eval_every: int = 10  # held-out eval every k steps (and always at step 0 and at the end)
+    # held-out eval every k steps (and always at step 0 and at the end)
+    eval_every: int = 10
     eval_temperature: float = 0.0  # sampling temperature of held-out evals (0: greedy)
-    eval_seed: int = 1234  # picks the held-out tasks, the same for every run seed so runs compare
+    # picks the held-out tasks, the same for every run seed so runs compare
+    eval_seed: int = 1234
     eval: EvalConfig = field(default_factory=EvalConfig)  # samples per held-out task and pass@k
     checkpoint_every: int = 0  # save a checkpoint every k steps (0: only at the end)
     # keep the newest k of checkpoints/ (0: all); older ones go once a new one is in place
     keep_checkpoints: int = 0
-    resume: str = ""  # a checkpoint folder to resume from exactly, or "auto": the run's latest one
+    # a checkpoint folder to resume from exactly, or "auto": the run's latest one
+    resume: str = ""
     # wall-clock metrics (runs.is_timing); false: every record reproduces bit for bit
     log_timings: bool = True
     wandb: bool = True  # log to wandb (offline unless WANDB_MODE says otherwise)
-    wandb_project: str = "nano-skyrl"
+    wandb_project: str = "nano-skyrl"  # the wandb project the runs log to
     threads: int = 0  # torch CPU threads (0: torch's default)
     # the device's peak FLOP/s for perf/mfu (0: runs.GPU_PEAK_FLOPS, or measured)
     peak_flops: float = 0.0
@@ -311,8 +337,8 @@ ADVANTAGE_KINDS = algos.GROUP_ADVANTAGE_KINDS + (
 
 
 def _did_you_mean(word, choices) -> str:
-    """'; did you mean 'x'?' for the valid choice closest to a misspelt key or value ('' when there
-    is none)."""
+    """'; did you mean 'x'?' for the valid choice closest to a misspelt key or value, or ''
+    when there is none."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.0)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -364,23 +390,24 @@ def _check(value, tp, key: str):
 
 
 def from_dict(cls, d: dict, prefix: str = ""):
-    """Build dataclass `cls` from a (partial) dict; unknown keys raise with the closest valid
-    key."""
+    """Build dataclass `cls` from a (partial) dict; an unknown key raises, naming the closest
+    valid one."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in d.items():
         if k not in names:
             raise KeyError(
-                f"unknown config key '{prefix}{k}'{_did_you_mean(prefix + k, [prefix + n for n in names])}"
+                f"unknown config key '{prefix}{k}'"
+                f"{_did_you_mean(prefix + k, [prefix + n for n in names])}"
             )
         kwargs[k] = _check(v, hints[k], prefix + k)
     return cls(**kwargs)
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- algo preset <- YAML file <- `key.sub=value` overrides (values parsed as YAML:
-    3e-5, true)."""
+    """Defaults <- algo preset <- YAML file <- `key.sub=value` overrides (their values parsed
+    as YAML: 3e-5, true)."""
     patches = []
     if path:
         with open(path) as f:
@@ -419,14 +446,15 @@ def _yaml(text: str, where: str):
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise ValueError(f"{where} is not valid YAML: {problem or e}{at}") from None
 
 
 def validate(cfg: Config) -> Config:
-    """Choices that are strings are checked here, before anything is built, not at their first
-    use."""
+    """String choices and combinations of knobs are checked here, before anything is built,
+    not at their first use."""
     choices = [
         ("algo.advantage", cfg.algo.advantage, ADVANTAGE_KINDS),
         ("learner.policy_loss", cfg.learner.policy_loss, algos.POLICY_LOSS_KINDS),
@@ -458,7 +486,8 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.algo.turn_baseline != "position" and cfg.algo.credit != "turn":
         raise ValueError(
-            f"algo.turn_baseline={cfg.algo.turn_baseline} is a baseline per turn: set algo.credit=turn"
+            f"algo.turn_baseline={cfg.algo.turn_baseline} is a baseline per turn: "
+            "set algo.credit=turn"
         )
     if cfg.algo.credit == "turn" and cfg.algo.advantage not in algos.GROUP_ADVANTAGE_KINDS:
         raise ValueError(
@@ -467,17 +496,19 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.algo.advantage == "none" and not cfg.algo.teacher_path:
         raise ValueError(
-            "algo.advantage=none (algo.name=distill) learns from a teacher alone: set algo.teacher_path"
+            "algo.advantage=none (algo.name=distill) learns from a teacher alone: "
+            "set algo.teacher_path"
         )
     if cfg.algo.advantage == "none" and cfg.algo.kl_in_reward:
         raise ValueError(
-            "algo.advantage=none has no reward to put a KL in: use learner.kl_coef (no algo.kl_in_reward)"
+            "algo.advantage=none has no reward to put a KL in: "
+            "use learner.kl_coef (no algo.kl_in_reward)"
         )
     if not 0 <= cfg.algo.overlong_cache <= cfg.rollout.agent.max_total_tokens:
         raise ValueError(
             f"algo.overlong_cache={cfg.algo.overlong_cache} must be >= 0 and at most "
-            f"rollout.agent.max_total_tokens={cfg.rollout.agent.max_total_tokens} (the penalty ramps over "
-            "the last overlong_cache tokens of the budget)"
+            f"rollout.agent.max_total_tokens={cfg.rollout.agent.max_total_tokens} "
+            "(the penalty ramps over the last overlong_cache tokens of the budget)"
         )
     if cfg.rollout.agent.max_episode_tokens < 0:
         raise ValueError(
@@ -486,30 +517,28 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.algo.truncation_penalty != 1.0 and cfg.algo.truncation != "penalize":
         raise ValueError(
-            f"algo.truncation_penalty applies to algo.truncation=penalize, not {cfg.algo.truncation!r}"
+            "algo.truncation_penalty applies to algo.truncation=penalize, "
+            f"not {cfg.algo.truncation!r}"
         )
     if cfg.rollout.agent.enable_thinking is not None and cfg.rollout.agent.chat_format != "qwen3":
         raise ValueError(
-            f"rollout.agent.enable_thinking applies to rollout.agent.chat_format=qwen3 only (the format "
-            f"with a think block), not {cfg.rollout.agent.chat_format!r}: leave it unset"
+            "rollout.agent.enable_thinking applies to rollout.agent.chat_format=qwen3 only (the "
+            f"format with a think block), not {cfg.rollout.agent.chat_format!r}: leave it unset"
         )
     if cfg.algo.kl_in_reward and cfg.learner.kl_coef <= 0:
         raise ValueError("algo.kl_in_reward needs learner.kl_coef > 0")
     off = cfg.learner.off_policy
-    if (
-        off.kind == "tis"
-        and off.tis_cap <= 0
-        or off.kind == "mis"
-        and not 0 < off.mis_low <= 1 <= off.mis_high
+    if (off.kind == "tis" and off.tis_cap <= 0) or (
+        off.kind == "mis" and not 0 < off.mis_low <= 1 <= off.mis_high
     ):
         raise ValueError(
-            f"learner.off_policy needs tis_cap > 0 (tis) and 0 < mis_low <= 1 <= mis_high (mis), got "
-            f"tis_cap={off.tis_cap}, mis_low={off.mis_low}, mis_high={off.mis_high}"
+            "learner.off_policy needs tis_cap > 0 (tis) and 0 < mis_low <= 1 <= mis_high (mis), "
+            f"got tis_cap={off.tis_cap}, mis_low={off.mis_low}, mis_high={off.mis_high}"
         )
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(
-            f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1] (1: off; 0.9 keeps the smallest set of "
-            "tokens holding 90% of the mass)"
+            f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1] (1: off; 0.9 keeps the smallest "
+            "set of tokens holding 90% of the mass)"
         )
     if cfg.rollout.top_k < 0:
         raise ValueError(f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off)")
@@ -569,8 +598,8 @@ WING_CHECKS = {
 
 
 def check_wings(cfg: Config):
-    """Run the check_config of every wing in WING_CHECKS whose settings this config changes, then
-    its choices."""
+    """Run the check_config of every wing in WING_CHECKS whose settings this config changes,
+    then check the choices it returns."""
 
     def get(tree, key):
         for part in key.split("."):
@@ -586,8 +615,10 @@ def check_wings(cfg: Config):
 
 # keys that were moved: the error says where to, since a did-you-mean cannot guess it
 RENAMED = {
-    "learner.tis_cap": "use learner.off_policy.kind=tis and learner.off_policy.tis_cap=<cap> (the same weights, "
-    "min(pi_old / pi_engine, cap) per token)"
+    "learner.tis_cap": (
+        "use learner.off_policy.kind=tis and learner.off_policy.tis_cap=<cap> "
+        "(the same weights, min(pi_old / pi_engine, cap) per token)"
+    )
 }
 
 
@@ -599,8 +630,8 @@ def _set_path(d: dict, dotted: str, value):
 
 
 def _merge(base: dict, patch: dict, prefix: str):
-    """Recursive merge that refuses keys the defaults do not have (so typos fail here, with a
-    hint)."""
+    """Recursive merge that refuses keys the defaults do not have, so a typo fails here, with
+    a hint."""
     for k, v in patch.items():
         if isinstance(base, list):
             base[int(k)] = _merge_value(base[int(k)], v, f"{prefix}{k}")
@@ -635,8 +666,8 @@ def _merge_value(old, new, key: str):
 
 
 def learner_configs(cfg: Config) -> tuple[LearnerConfig, LearnerConfig]:
-    """(the policy's learner config, the critic's). With the KL in the reward, the loss must not
-    count it again."""
+    """(the policy's learner config, the critic's). With the KL in the reward, the policy's
+    loss must not count it again."""
     policy = replace(cfg.learner, kl_coef=0.0) if cfg.algo.kl_in_reward else cfg.learner
     return policy, replace(cfg.learner, lr=cfg.algo.critic_lr, lora_rank=0)
 

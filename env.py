@@ -1,5 +1,4 @@
-"""env.py: environments for tool-using LLM agents: tasks, rewards, the Env base class and its
-registry.
+"""env.py: environments for tool-using LLM agents: tasks, rewards, the Env base class, a registry.
 
 An environment is a small state machine in the functional style of gym / purejaxrl:
 
@@ -14,22 +13,23 @@ everything an episode needs is in the frozen `EnvState`, replaced (never mutated
 the env, enforces max_turns.
 
 Contents, top to bottom:
-  1. Types that cross the file boundary: ToolCall, Action, Task, EnvState.
-  (The tools live in tools.py: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON
-  schemas: python_eval, finish, calculator (exact arithmetic, no Python), scratchpad (notes in the
-  EnvState); the sandbox behind python_eval is sandbox.py. A world adds its own: the code worlds'
-  python_exec, in envs/.)
+  1. Types that cross the file boundary: ToolCall, Action, Task, EnvState; `mix_seed` (what every
+     random draw is seeded with) and the message builders `tool_message`, `assistant_message`.
+     The tools live in tools.py: a name -> Tool registry filled by `@tool`, with OpenAI-style JSON
+     schemas: python_eval, finish, calculator (exact arithmetic, no Python), scratchpad (notes in
+     the EnvState); the sandbox behind python_eval is sandbox.py. A world adds its own: the code
+     worlds' python_exec, in envs/.
   2. Answers: `parse_number` (normalized exact comparison), `last_boxed` and `extract_answer` (the
-  answer in
-     free text).
+     answer in free text).
   3. `Env`, the base class (tool dispatch that survives broken tools, the generic step), `ENVS`,
-     `@register_env`, `make_env` (and `env_class`: the class alone), and `sample_distinct` (a
-     split's distinct tasks). What only the worlds share (`replay` and `replay_commands`: an
-     expert's actions played into a demonstration; `read_jsonl`: the JSON-lines files they read;
-     tasks as a dataset on disk) lives in envs/worlds.py.
-  4. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems with
-  a
-     hash-decided train/test split; the model should learn to call python_eval, then finish.
+     `@register_env`, `make_env` (and `env_class`: the class alone), `sample_distinct` (a split's
+     distinct tasks) and `sample_mixture` (a run's mix of several envs' tasks). What only the
+     worlds share (`replay` and `replay_commands`: an expert's actions played into a
+     demonstration; `read_jsonl`: the JSON-lines files they read; tasks as a dataset on disk) lives
+     in envs/worlds.py.
+  4. `ToyMathEnv` ("toy_math", the "Toy Math Agent" seed): integer arithmetic and word problems
+     with a hash-decided train/test split (`split_of`, which every env uses); the model should
+     learn to call python_eval, then finish.
 
 POSIX only (the sandbox uses process groups and resource limits).
 
@@ -118,8 +118,8 @@ def tool_message(name: str, content: str) -> dict:
 
 
 def assistant_message(content: str, tool_calls: list[ToolCall] = ()) -> dict:
-    """An assistant message in OpenAI style (arguments stay a dict; the chat template serializes
-    them)."""
+    """An assistant message in OpenAI style. The arguments stay a dict: the chat template
+    serializes them."""
     message = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = [
@@ -140,8 +140,8 @@ _BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def parse_number(text: str | None) -> Fraction | None:
-    """The exact value of a numeric answer, or None: strips spaces, commas, "$" and one trailing
-    period.
+    """The exact value of a numeric answer, or None. Strips spaces, commas, "$" and one trailing
+    period first.
 
     '57', ' 57.0 ', '57.', '1,234', '$5', '-3', '1e3' parse; '57 apples', 'x', '' do not. Exact
     (Fraction), so "57" == "57.0" and no float rounding can make a wrong answer right.
@@ -260,8 +260,8 @@ class Env:
         return None
 
     def reset(self, task: Task, seed: int) -> tuple[EnvState, list[dict]]:
-        """A new episode -> (state, [system, user]). `seed` is for envs with randomness (unused by
-        toy_math)."""
+        """A new episode -> (state, [system, user]). `seed` is for envs with randomness (toy_math
+        has none)."""
         if task.env != self.name:
             raise ValueError(f"task {task.id!r} belongs to env {task.env!r}, not {self.name!r}")
         return EnvState(task=task), [
@@ -312,8 +312,8 @@ class Env:
         return state, obs, reward, done, info
 
     def on_text(self, state: EnvState, text: str) -> tuple[EnvState, list[dict], float, bool, dict]:
-        """A message without tool calls. Default: it is the final answer (\\boxed{} or the last
-        number)."""
+        """A message without tool calls. Default: it is the final answer, read as \\boxed{} or
+        else the last number."""
         answer = extract_answer(text)
         reward, extra = self.grade_answer(state.task, answer)
         info = {"format_ok": False, **extra}
@@ -322,8 +322,8 @@ class Env:
     def run_tool_calls(
         self, state: EnvState, calls
     ) -> tuple[EnvState, list[dict], float, bool, dict]:
-        """Run calls in order, one observation each; a call that ends the episode (finish) stops the
-        rest."""
+        """Run calls in order, one observation each. A call that ends the episode (finish) stops
+        the rest."""
         obs = []
         for call in calls:
             state, text, kind = self.run_tool(state, call)
@@ -341,8 +341,8 @@ class Env:
         return state, obs, 0.0, False, {}
 
     def run_tool(self, state: EnvState, call: ToolCall) -> tuple[EnvState, str, str | None]:
-        """Dispatch one call -> (state, observation text, error kind or None). Errors are text, not
-        exceptions.
+        """Dispatch one call -> (state, observation text, error kind or None). Errors come back
+        as text, never as exceptions.
 
         A bug in one tool must not kill a batch of rollouts: an exception, a hang (a tool that is
         not `bounded` runs in a watchdog thread; past tool_timeout it is abandoned, and keeps its
@@ -406,8 +406,8 @@ def _safe_str(error: BaseException) -> str:
 
 
 def _call_with_deadline(fn: Callable, timeout: float | None) -> tuple[object, Exception | None]:
-    """fn() -> (its result, None) or (None, the exception it raised, or TimeoutError past
-    `timeout`).
+    """fn() -> (its result, None), or (None, the exception it raised), or (None, TimeoutError())
+    past `timeout`.
 
     timeout None: call it here. Otherwise in a daemon thread, which we stop waiting for at the
     deadline: Python cannot kill a thread, so a tool that truly hangs keeps its thread (tools that
@@ -468,7 +468,9 @@ def sample_distinct(
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     rng = random.Random(seed)
-    tasks, seen, misses = [], set(), 0
+    tasks = []
+    seen = set()
+    misses = 0
     first = per_task(rng) if per_task is not None else None
     while len(tasks) < n:
         task = draw(rng) if per_task is None else draw(rng, first)
@@ -567,8 +569,8 @@ _ARITH = {
 
 
 def eval_arith(expression: str) -> int:
-    """The value of an integer expression with + - * // and parentheses (ground truth without
-    eval())."""
+    """The value of an integer expression with + - * // and parentheses: the ground truth,
+    computed without eval()."""
 
     def value(node):
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -611,7 +613,9 @@ def _binary(rng: random.Random, m: int) -> tuple[str, str]:
 
 def _multi(rng: random.Random, m: int) -> tuple[str, str]:
     """Three operands, two operations, parentheses: 'What is (14 + 27) * 3?'."""
-    a, b, c = rng.randint(1, m), rng.randint(1, m), rng.randint(1, m)
+    a = rng.randint(1, m)
+    b = rng.randint(1, m)
+    c = rng.randint(1, m)
     o1, o2 = rng.choice("+-*"), rng.choice("+-*")
     if rng.random() < 0.25:  # (a o1 b) // d, with d an exact divisor when one exists
         inner = eval_arith(f"{a} {o1} {b}")
@@ -624,8 +628,8 @@ def _multi(rng: random.Random, m: int) -> tuple[str, str]:
 
 
 def _word(rng: random.Random, m: int) -> tuple[str, str]:
-    """A one- or two-step story: groups (*), gains (+), losses (-), sharing (//), gains and
-    losses."""
+    """A one- or two-step story: groups (*), gains (+), losses (-), sharing (//), losses then
+    gains, groups then sales."""
     name, he = rng.choice(_NAMES)
     item, box = rng.choice(_ITEMS), rng.choice(_CONTAINERS)
     a, b = rng.randint(2, m), rng.randint(2, m)
@@ -646,13 +650,15 @@ def _word(rng: random.Random, m: int) -> tuple[str, str]:
     if template == 3:
         d = _divisor(rng, m)
         return (
-            f"{name} shares {a * d} {item} equally among {d} friends. How many {item} does each friend get?",
+            f"{name} shares {a * d} {item} equally among {d} friends. "
+            f"How many {item} does each friend get?",
             f"{a * d} // {d}",
         )
     if template == 4:
         b, c = rng.randint(1, a), rng.randint(2, m)
         return (
-            f"{name} has {a} {item}, gives away {b} and then finds {c}. How many {item} does {he} have now?",
+            f"{name} has {a} {item}, gives away {b} and then finds {c}. "
+            f"How many {item} does {he} have now?",
             f"{a} - {b} + {c}",
         )
     c = rng.randint(1, min(a * b, 10 * m))
@@ -694,7 +700,7 @@ class ToyMathEnv(Env):
         # operands are drawn from 1..max_operand (// dividends excepted)
         self.max_operand = max_operand
         self.kinds = tuple(kinds)  # which generators to draw from
-        # their relative odds
+        # the kinds' relative odds (equal by default)
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(kinds)
         self.tool_timeout = tool_timeout  # seconds per tool call
 

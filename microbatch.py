@@ -7,11 +7,11 @@ docstring, points 3 to 5), so this is free to pick what runs fastest.
 
   row_lens            each row's length up to its last trained token: what a pass needs to run
   rank_micro_batches  this rank's micro-batches: [MicroBatch(rows, dummy, shared)]
-  positions_run       the token positions a micro-batch needs and the ones it runs
-  (perf/pad_fraction)
+  positions_run       the token positions a micro-batch needs, and the ones it runs (their ratio
+                      is perf/pad_fraction)
 
-Shapes: B rows, T tokens. Imports: model.py (SharedPrefix) and distributed.py (ranks) only.
-Imports: model.py, distributed.py (and torch, the standard library).
+Shapes: B rows, T tokens, m rows of one micro-batch.
+Imports: model.py (SharedPrefix), distributed.py (ranks) (and torch, the standard library).
 """
 
 from typing import NamedTuple
@@ -29,7 +29,7 @@ def row_lens(mask: torch.Tensor) -> torch.Tensor:
     allows): a row with no trained token still makes a one-position loss that is 0 but has a graph,
     so its backward runs (under FSDP a rank that skipped it would leave the other ranks waiting in a
     collective)."""
-    pos = torch.arange(1, mask.shape[1] + 1)  # (T,)
+    pos = torch.arange(1, mask.shape[1] + 1)
     return (mask.bool() * pos).max(dim=1).values.clamp(min=min(2, mask.shape[1]))  # (B,)
 
 
@@ -52,7 +52,9 @@ def _units(lens: torch.Tensor, share: tuple | None) -> list[tuple[torch.Tensor, 
         if len(rows) == 1:
             units.append((rows, 0))
             continue
-        need = int(lens[rows].max()) - 1  # hidden states the rows read
+        # the rows read `need` hidden states; they share them up to the first position where a row
+        # differs from the first row, or all `need` of them
+        need = int(lens[rows].max()) - 1
         differs = (ids[rows, :need] != ids[rows[:1], :need]).any(dim=0)  # (need,)
         units.append((rows, int(differs.int().argmax()) if bool(differs.any()) else need))
     return units
@@ -69,14 +71,19 @@ def _layout(
     rows = torch.cat([r for r, _ in units])  # (m,)
     if all(p == 0 for _, p in units) and not always:
         return rows, None
-    lead, plens, group, start = [], [], [], 0
+    # per unit: the place of its first row in `rows` (start counts the rows placed so far) and its
+    # prefix's length (a row alone: all but its last position); per row: its unit
+    lead = []
+    plens = []
+    group = []
+    start = 0
     for g, (r, p) in enumerate(units):
         lead.append(start)
         plens.append(p if p > 0 else int(lens[r[0]]) - 1)
         group += [g] * len(r)
         start += len(r)
     plens, group = torch.tensor(plens), torch.tensor(group)
-    # positions past its prefix a row needs
+    # the most positions past its prefix that any row needs (at least 1 when `always`)
     cont = int((lens[rows] - 1 - plens[group]).max().clamp(min=int(always)))
     return rows, SharedPrefix(torch.tensor(lead), plens, group, cont)
 
@@ -108,11 +115,13 @@ def rank_micro_batches(
     mine = [units[i] for i in order[get_rank() :: get_world_size()].tolist()]
     both = share is not None and get_world_size() > 1  # FSDP: the same forwards on every rank
 
-    def cost(us) -> int:  # the positions a micro-batch of these units runs
+    # the positions a micro-batch of these units runs
+    def cost(us) -> int:
         rows, shared = _layout(us, lens, both)
         return positions_run(lens[rows], shared)[1]
 
-    plan, current = [], []
+    plan = []
+    current = []
     for u in mine:
         fits = sum(len(r) for r, _ in current) + len(u[0]) <= size and (
             max_tokens == 0 or cost(current + [u]) <= max_tokens
@@ -143,6 +152,6 @@ def positions_run(lens: torch.Tensor, shared: SharedPrefix | None) -> tuple[int,
     if shared is None:
         return int(lens.sum()), len(lens) * int(lens.max())
     cont = (lens - 1 - shared.lens[shared.group]).clamp(min=0)  # (m,)
-    return int(shared.lens.sum() + cont.sum()), len(shared.lens) * int(shared.lens.max()) + len(
-        lens
-    ) * shared.cont
+    return int(shared.lens.sum() + cont.sum()), (
+        len(shared.lens) * int(shared.lens.max()) + len(lens) * shared.cont
+    )

@@ -9,10 +9,10 @@ pre-norm decoder:
 
 References
   RMSNorm: Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467
-  RoPE:    Su et al. 2021, https://arxiv.org/abs/2104.09864 (HF "rotate_half" layout: pairs are (i,
-  i + hd/2))
-  GQA:     Ainslie et al. 2023, https://arxiv.org/abs/2305.13245 (nkv < nh heads of keys/values,
-  shared)
+  RoPE:    Su et al. 2021, https://arxiv.org/abs/2104.09864
+           (HF "rotate_half" layout: pairs are (i, i + hd/2))
+  GQA:     Ainslie et al. 2023, https://arxiv.org/abs/2305.13245
+           (nkv < nh heads of keys/values, shared)
   SwiGLU:  Shazeer 2020, https://arxiv.org/abs/2002.05202
 
 Shapes: B batch, T tokens (queries), Tk keys (cached + new), H hidden, V vocab,
@@ -51,14 +51,14 @@ class ModelConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4  # nh
     num_key_value_heads: int = 2  # nkv (divides nh)
-    head_dim: int | None = None  # hd; None -> hidden_size // num_attention_heads
+    head_dim: int | None = None  # hd (None: hidden_size // num_attention_heads)
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     # q/k/v (and for llama/qwen3 also o) biases; None -> family default
     attention_bias: bool | None = None
-    qk_norm: bool | None = None  # per-head RMSNorm on q and k; None -> True for qwen3
+    qk_norm: bool | None = None  # per-head RMSNorm on q and k (None: True for qwen3)
     # llama3: {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}
     rope_scaling: dict | None = None
@@ -69,7 +69,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
             raise ValueError(
-                f"model_type {self.model_type!r} not supported; expected one of {list(ARCHITECTURES)}"
+                f"model_type {self.model_type!r} not supported; "
+                f"expected one of {list(ARCHITECTURES)}"
             )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
@@ -95,9 +96,9 @@ class ModelConfig:
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise NotImplementedError(f"rope_type {rope_type!r} not supported")
-        # transformers 5 keeps theta inside rope_parameters,
+        # transformers 5 keeps theta inside rope_parameters, older files at the top level
         theta = rope.pop("rope_theta", 10000.0)
-        theta = d.get("rope_theta", theta)  # older files at the top level
+        theta = d.get("rope_theta", theta)
         known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
         kwargs = {k: v for k, v in d.items() if k in known}
         scaling = {"rope_type": "llama3", **rope} if rope_type == "llama3" else None
@@ -105,8 +106,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """A config.json dict that transformers (4.x and 5.x) and vLLM read as the same model."""
-        # Hugging Face ties these flags to the architecture; refuse to write a file that loads
-        # differently.
+        # Hugging Face ties these flags to the architecture: never write a file that loads as
+        # another model
         if (self.model_type == "qwen2" and not self.attention_bias) or self.qk_norm != (
             self.model_type == "qwen3"
         ):
@@ -128,18 +129,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32 (bf16 squares overflow/underflow; fp64 stays fp64), cast back, then
-        # scale: HF's order
+        # normalise in fp32 (bf16 squares overflow/underflow; fp64 stays fp64), cast back,
+        # then scale: HF's order
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotation speeds theta^(-2i/hd), i < hd/2, with Llama-3's long-context rescaling if
-    configured."""
+    """Rotation speeds theta^(-2i/hd) for i < hd/2, with Llama-3's long-context rescaling when
+    the config has one."""
     hd = cfg.head_dim
-    # (hd/2,)
+    # (hd/2,) theta^(-2i/hd)
     inv_freq = 1.0 / (
         cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device="cpu") / hd)
     )
@@ -149,7 +150,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     # Llama 3.1: slow (long-wavelength) components are divided by `factor`, fast ones kept, the band
     # between interpolated smoothly (same formula as transformers' _compute_llama3_parameters).
     old_len = s["original_max_position_embeddings"]
-    low, high, factor = s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    low = s["low_freq_factor"]
+    high = s["high_freq_factor"]
+    factor = s["factor"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
@@ -171,12 +174,14 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh = cfg.num_attention_heads
+        self.nkv = cfg.num_key_value_heads
+        self.hd = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
-        # Qwen2 never has an output bias; Llama and Qwen3 put one on o_proj too when attention_bias
-        # is set
+        # Qwen2 never has an output bias; Llama and Qwen3 put one on o_proj too when
+        # attention_bias is set
         self.o_proj = nn.Linear(
             self.nh * self.hd,
             cfg.hidden_size,
@@ -188,18 +193,20 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache=None, layer_idx=0):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)  # (B, T, nh, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd)  # (B, T, nkv, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)  # (B, T, nkv, hd)
+        # projected: q (B, T, nh, hd), k and v (B, T, nkv, hd); after the transposes, heads come
+        # first: q (B, nh, T, hd), k and v (B, nkv, T, hd)
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
-        v = v.transpose(1, 2)  # (B, nkv, T, hd)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)  # (B, nkv, Tk, hd)
-        # mask None means "no padding": plain causal when several queries start at key 0, and a
-        # single decode query sees every cached key anyway
+        # y (B, nh, T, hd). mask None means "no padding": plain causal when several queries start
+        # at key 0, and a single decode query sees every cached key anyway
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -207,7 +214,7 @@ class Attention(nn.Module):
             attn_mask=mask,
             is_causal=mask is None and T > 1,
             enable_gqa=self.nkv != self.nh,
-        )  # (B, nh, T, hd)
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -258,8 +265,8 @@ class KVCache:
         self.pos = 0
 
     def update(self, layer_idx, k, v):
-        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far, (B, nkv, pos
-        + T, hd)."""
+        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far,
+        (B, nkv, pos + T, hd)."""
         end = self.pos + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KVCache overflow: {end} positions > max_len {self.max_len}")
@@ -283,7 +290,7 @@ class SharedPrefix(NamedTuple):
     lead: torch.Tensor  # (n,) long, the row whose first lens[g] tokens are prefix g
     lens: torch.Tensor  # (n,) long, each prefix's length (>= 1)
     group: torch.Tensor  # (B,) long, the prefix each row continues
-    cont: int  # positions after its prefix a row is run for (the longest any row needs; may be 0)
+    cont: int  # positions each row runs past its prefix (the most any row needs, or 0)
 
 
 class PrefixKV:
@@ -303,7 +310,10 @@ class PrefixKV:
         v: dict | None = None,
         pos: int = 0,
     ):
-        self.rows, self.k, self.v, self.pos = rows, dict(k or {}), dict(v or {}), pos
+        self.rows = rows
+        self.k = dict(k or {})
+        self.v = dict(v or {})
+        self.pos = pos
 
     def update(self, layer_idx, k, v):
         if self.rows is None:  # the prefixes' own forward (again, identically, under recomputation)
@@ -329,8 +339,9 @@ def attention_mask(T: int, past: int, key_padding_mask, device):
     Tk = past + T
     if key_padding_mask is None and (past == 0 or T == 1):
         return None
-    q_slot = torch.arange(past, Tk, device=device)[:, None]  # (T, 1)
-    k_slot = torch.arange(Tk, device=device)[None, :]  # (1, Tk)
+    # the absolute slots of the queries (T, 1) and of the keys (1, Tk)
+    q_slot = torch.arange(past, Tk, device=device)[:, None]
+    k_slot = torch.arange(Tk, device=device)[None, :]
     mask = (k_slot <= q_slot)[None, None]  # (1, 1, T, Tk) causal
     if key_padding_mask is not None:
         mask = (mask & key_padding_mask[:, None, None, :Tk]) | (k_slot == q_slot)  # (B, 1, T, Tk)
@@ -353,9 +364,9 @@ class Transformer(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        # A plain fp32 attribute, not a buffer: model.to(bfloat16) would round a buffer and shift
-        # the angles.
-        self.inv_freq = rope_inv_freq(cfg)  # (hd/2,)
+        # (hd/2,), a plain fp32 attribute, not a buffer: model.to(bfloat16) would round a buffer
+        # and shift the angles
+        self.inv_freq = rope_inv_freq(cfg)
         # recompute each decoder layer during backward (saves activations)
         self.gradient_checkpointing = False
         # bf16: the decoder layers' matmuls and attention run under torch.autocast in it (the
@@ -406,31 +417,36 @@ class Transformer(nn.Module):
 
     def shared_hidden_states(self, input_ids, shared: SharedPrefix):
         """hidden_states of rows that continue shared prefixes, each prefix run once and each row's
-        continuation attending to it through PrefixKV, at the positions it has in its row -> (h (n x
-        P + B x S, H): the prefixes' states, then the continuations'; where (B, T) long: the row of
-        h that holds each position's state). Row b's position t reads prefix group[b]'s state t
-        while t < lens[group[b]], then its continuation's. Positions a row is not run for (past
-        cont) point at some other state: the caller scores none of them."""
+        continuation attending to it through PrefixKV, at the positions it has in its row -> (h,
+        where). h (n x P + B x S, H): the prefixes' states, then the continuations'. where (B, T)
+        long: the row of h that holds each position's state. Row b's position t reads prefix
+        group[b]'s state t while t < lens[group[b]], then its continuation's. Positions a row is
+        not run for (past cont) point at some other state: the caller scores none of them."""
         B, T = input_ids.shape
         dev = input_ids.device
         lens, group = shared.lens.to(dev), shared.group.to(dev)  # (n,), (B,)
-        n, P, S = len(lens), int(lens.max()), shared.cont
+        # n prefixes, the longest P tokens; S positions of each row's continuation
+        n = len(lens)
+        P = int(lens.max())
+        S = shared.cont
         kv = PrefixKV()
-        # (n P, H)
+        # the prefixes' states, (n P, H)
         h = [self.hidden_states(input_ids[shared.lead.to(dev), :P], kv_cache=kv).reshape(n * P, -1)]
         start = lens[group]  # (B,) each continuation's start
         if S > 0:
-            pos = start[:, None] + torch.arange(S, device=dev)  # (B, S) positions in the row
-            ids = input_ids.gather(1, pos.clamp(max=T - 1))  # (B, S) past T: never scored
-            # its own prefix's keys only
+            # (B, S) the continuations' positions in their rows, and their tokens (a position past
+            # T is never scored)
+            pos = start[:, None] + torch.arange(S, device=dev)
+            ids = input_ids.gather(1, pos.clamp(max=T - 1))
+            # (B, P + S) the keys a row reads: its own prefix's, then all of its continuation's
             real = torch.cat(
                 [
                     torch.arange(P, device=dev)[None] < start[:, None],
                     torch.ones(B, S, dtype=torch.bool, device=dev),
                 ],
                 dim=1,
-            )  # (B, P + S)
-            # (B S, H)
+            )
+            # the continuations' states, (B S, H)
             h.append(self.hidden_states(ids, pos, real, kv.continued(group)).reshape(B * S, -1))
         t = torch.arange(T, device=dev)[None]  # (1, T)
         where = torch.where(
@@ -452,9 +468,10 @@ class Transformer(nn.Module):
         score_args=None,
         shared: SharedPrefix | None = None,
     ):
-        """Log-prob of each given token under the model: logp[:, t] = log softmax(logits[:, t-1] /
-        temperature) [input_ids[:, t]], logp[:, 0] = 0 (nothing predicts the first token).
-        entropy[:, t] is the entropy of that same distribution (0 at t = 0).
+        """Log-prob of each given token under the model:
+            logp[:, t] = log softmax(logits[:, t-1] / temperature)[input_ids[:, t]]
+        and logp[:, 0] = 0 (nothing predicts the first token). entropy[:, t] is the entropy of that
+        same distribution (0 at t = 0).
 
         mask (B, T), optional: score only the tokens t where mask[:, t] is 1 (the loss mask: what
         the update reads); every other entry of logp and entropy is 0 and costs nothing past the
@@ -480,30 +497,34 @@ class Transformer(nn.Module):
             if mask is None
             else mask[:, 1:].bool()
         )
-        rows, cols = keep.nonzero(as_tuple=True)  # (N,) x2, row-major
-        targets = input_ids[:, 1:][rows, cols]  # (N,) position t-1 predicts token t
+        # the N scored tokens, row-major: rows, cols, targets and args are (N,), and h_sel (N, H)
+        # holds the hidden state that predicts each (position t-1 predicts token t)
+        rows, cols = keep.nonzero(as_tuple=True)
+        targets = input_ids[:, 1:][rows, cols]
         if shared is None:
             h = self.hidden_states(input_ids)  # (B, T, H)
-            h_sel = h[rows, cols]  # (N, H)
+            h_sel = h[rows, cols]
         else:
             h, where = self.shared_hidden_states(input_ids, shared)  # (n P + B S, H), (B, T)
-            h_sel = h[where[rows, cols]]  # (N, H)
-        args = score_args[:, 1:][rows, cols] if score is not None else targets  # (N,)
+            h_sel = h[where[rows, cols]]
+        args = score_args[:, 1:][rows, cols] if score is not None else targets
 
         def chunk_logprobs(h_c, tgt_c, args_c):
-            logits = self.lm_head(h_c)  # (C, V) fp32 (fp64 stays fp64)
+            # (C, V) in fp32 (fp64 stays fp64)
+            logits = self.lm_head(h_c)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             if temperature != 1.0:  # sampled at T: score softmax(logits / T)
                 logits = logits / temperature
-            # (C, V)
+            # (C, V) the whole vocabulary's log-probs, when the score or the entropy needs them
             logp_all = (
                 torch.log_softmax(logits, dim=-1) if score is None or return_entropy else None
             )
+            # (C,) each target's log-prob, or the caller's score
             logp = (
                 logp_all.gather(-1, tgt_c[:, None]).squeeze(-1)
                 if score is None
                 else score(logits, tgt_c, args_c)
-            )  # (C,)
+            )
             if not return_entropy:
                 return logp, torch.zeros_like(logp)
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -530,7 +551,7 @@ class Transformer(nn.Module):
         def scatter(parts):  # (N,) -> (B, T), 0 where not scored
             scores = torch.cat(parts)  # (N,) fp32, or fp64 for a fp64 model
             out = scores.new_zeros(B, T - 1).index_put((rows, cols), scores)  # (B, T-1)
-            return torch.cat([out.new_zeros(B, 1), out], dim=1)  # (B, T)
+            return torch.cat([out.new_zeros(B, 1), out], dim=1)
 
         if return_entropy:
             return scatter(logps), scatter(ents)
@@ -556,12 +577,13 @@ def train_flops(model: Transformer, lengths) -> float:
 
 
 def init_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A freshly initialised model, identical for the same seed: N(0, 0.02) weights, zero biases,
-    unit norms."""
+    """A freshly initialised model, identical for the same seed: N(0, 0.02) weights, zero
+    biases, unit norms."""
     with torch.device("meta"):  # skip nn.Linear's own init (slow, and it draws from the global RNG)
         model = Transformer(cfg)
     model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives the two tied names separate storage; share it again
+    # to_empty gives the two tied names separate storage: share it again
+    model.tie_weights()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -575,8 +597,8 @@ def init_model(cfg: ModelConfig, seed: int) -> Transformer:
 
 
 def safetensors_files(path) -> list[str]:
-    """The weight files of a Hugging Face folder: model.safetensors, or the shards its index
-    lists."""
+    """The weight files of a Hugging Face folder: model.safetensors, or the shards listed in
+    its index."""
     index = os.path.join(path, "model.safetensors.index.json")
     if not os.path.exists(index):
         return ["model.safetensors"]
@@ -585,8 +607,8 @@ def safetensors_files(path) -> list[str]:
 
 
 def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
-    """Load config.json plus model.safetensors, or the shards listed in
-    model.safetensors.index.json."""
+    """Load a Hugging Face folder: config.json plus model.safetensors, or the shards its
+    model.safetensors.index.json lists."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = ModelConfig.from_hf(json.load(f))
     state = {}
@@ -602,7 +624,8 @@ def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint {path} does not match the config: missing {missing}, unexpected {unexpected}"
+            f"checkpoint {path} does not match the config: "
+            f"missing {missing}, unexpected {unexpected}"
         )
     # assign: keep the loaded tensors, no copy
     model.load_state_dict(state, strict=False, assign=True)
@@ -611,8 +634,8 @@ def load_model(path, dtype=torch.float32, device="cpu") -> Transformer:
 
 
 def save_model(model: Transformer, path, max_shard_bytes=None):
-    """Write config.json and model.safetensors (or model-0000i-of-0000n.safetensors + index when
-    sharded)."""
+    """Write config.json and model.safetensors; past max_shard_bytes, the shards
+    model-0000i-of-0000n.safetensors and their index instead."""
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
@@ -622,7 +645,9 @@ def save_model(model: Transformer, path, max_shard_bytes=None):
         json.dump(
             {**model.cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2
         )
-    shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow this one
+    # greedy: start a new shard when the next tensor would overflow this one
+    shards = [{}]
+    size = 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
         if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
