@@ -11,31 +11,32 @@ Observed: the metrics of metrics.jsonl (wall-clock ones by presence only), the w
 the default model built (its weights and sft_log.json). A number or a weight that moved by float
 rounding only (RTOL, ATOL) counts as unchanged. The expectations:
   changes  something observable differs beyond rounding (`stops`: the run stops with an error, the
-  knob's effect); refused  load_config, runs.check_paths or train.main raises
-  ValueError/KeyError/TypeError naming the key, before
-           the run logs a step;
-  inert    nothing observable can change in this setting (a logging destination, a GPU-only knob on
-  a CPU, a Ray
-           knob with Ray off, a speed knob); `why` says so, and the run differs from the baseline by
-           rounding at most.
-bench/knobs.py runs the same walk and writes docs/knobs.md: every knob, the value tried and what it
-was seen to do.
+           knob's effect);
+  refused  load_config, runs.check_paths or train.main raises ValueError/KeyError/TypeError naming
+           the key, before the run logs a step;
+  inert    nothing observable can change in this setting (a logging destination, a GPU-only knob
+           on a CPU, a Ray knob with Ray off, a speed knob); `why` says so, and the run differs
+           from the baseline by rounding at most.
+bench/knobs.py runs the same walk and records what each knob was seen to do in bench/knobs.json;
+docs/knobs.md is generated from the config tree's source, this table and those records
+(bench/knobs.py --page), and test_the_page_is_generated checks it is, with a row for every leaf.
 
 The base run (BASE): tests/test_train.py's TINY, smaller still (FAST: 4 episodes a step), two steps,
 evals at steps 0 and 2. The policy is TINY's default model, built once and passed as model.path (a
-rollout knob would otherwise rebuild
-it: its cache key holds the envs, the agent and the sampling settings); sft.* knobs build their own,
-cheaply (SFT). The tiny model solves almost nothing, so every toy-math reward would be 0, every
-advantage 0, and the knobs of the update would have nothing to act on: the base adds DAPO's overlong
-penalty over the whole length range (SIGNAL), which makes the rewards within a group differ by the
-episodes' lengths.
+rollout knob would otherwise rebuild it: its cache key holds the envs, the agent and the sampling
+settings); sft.* knobs build their own, cheaply (SFT). The tiny model solves almost nothing, so
+every toy-math reward would be 0, every advantage 0, and the knobs of the update would have nothing
+to act on: the base adds DAPO's overlong penalty over the whole length range (SIGNAL), which makes
+the rewards within a group differ by the episodes' lengths.
 """
 
 import dataclasses
+import difflib
 import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -44,7 +45,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train import TINY, tiny  # noqa: E402,F401  (tiny: the session's default model, built once)
+# tiny: the session's default model, built once
+from test_train import TINY, tiny  # noqa: E402,F401
 
 import config  # noqa: E402
 
@@ -64,6 +66,8 @@ class Knob:
     expect: str = CHANGES  # changes | refused | inert
     why: str = ""  # inert: why nothing observable can change here; else an optional note
     stops: bool = False  # changes: the change is that the run stops, mid-way, with an error
+    # changes only where the CPU has bf16 (CPU_BF16); start-up refuses it elsewhere (`expected`)
+    bf16_cpu: bool = False
 
 
 # learner.precision=bf16
@@ -116,15 +120,18 @@ def loss(kind):
 
 RAY_OFF = "Ray is off (ray.rollout_workers=0, ray.learner_workers=0): nothing reads it"
 LEARNER_ACTORS = (
-    "a resource of the learner actors, which ray.learner_workers starts from train.py's command line "
-    "only (cluster.launch_on_ray): no actors here; tests/test_launch.py runs them"
+    "a resource of the learner actors, which ray.learner_workers starts from train.py's command "
+    "line only (cluster.launch_on_ray): no actors here; tests/test_launch.py runs them"
 )
 JUDGE_OFF = (
-    "a setting of the LLM judge, refused while rollout.judge.model_path is unset (the base run has no judge); "
-    "tests/test_judge.py checks each with a judge on (scripted engines, the config's checks, the tiny model "
-    "as the judge through the torch engine)"
+    "a setting of the LLM judge, refused while rollout.judge.model_path is unset (the base run has "
+    "no judge); tests/test_judge.py checks each with a judge on (scripted engines, the config's "
+    "checks, the tiny model as the judge through the torch engine)"
 )
-PERF = "speed or memory only (seen in perf/*, which is wall-clock): the numbers agree to float rounding"
+PERF = (
+    "speed or memory only (seen in perf/*, which is wall-clock): the numbers agree to float "
+    "rounding"
+)
 
 KNOBS: dict[str, Knob] = {
     # --- the run
@@ -351,7 +358,7 @@ KNOBS: dict[str, Knob] = {
         PERF + " (another summation order); tests/test_learner.py checks the gradient",
     ),
     "learner.precision": Knob(
-        "bf16", (), CHANGES if CPU_BF16 else REFUSED, "refused on a CPU without avx512_bf16 or AMX"
+        "bf16", (), CHANGES, "refused on a CPU without avx512_bf16 or AMX", bf16_cpu=True
     ),
     "learner.mini_batches": Knob("2"),
     "learner.ppo_epochs": Knob("2"),
@@ -683,9 +690,15 @@ class Walk:
         return Outcome("rounding" if rounding else "same", rounding)
 
 
+def expected(key: str) -> str:
+    """What KNOBS[key] expects on this machine: changes | refused | inert."""
+    knob = KNOBS[key]
+    return REFUSED if knob.bf16_cpu and not CPU_BF16 else knob.expect
+
+
 def problem(key: str, outcome: Outcome) -> str | None:
     """Why `outcome` is not what KNOBS[key] expects, or None when it is."""
-    knob = KNOBS[key]
+    knob = dataclasses.replace(KNOBS[key], expect=expected(key))
     said = f"{outcome.kind}: {'; '.join(outcome.seen) or 'nothing moved'}"
     if knob.expect == REFUSED and outcome.kind != REFUSED:
         return f"expected a refusal at start-up, got {said}"
@@ -716,6 +729,67 @@ def test_the_table_names_every_leaf():
         f"missing from KNOBS: {sorted(set(walked) - set(KNOBS))}; "
         f"not a config leaf: {sorted(set(KNOBS) - set(walked))}"
     )
+
+
+def generator():
+    """bench/knobs.py, the page's generator (it imports this file for KNOBS and the walk)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import knobs
+
+    return knobs
+
+
+def test_the_page_is_generated():
+    """docs/knobs.md is bench/knobs.py --page's output, with a row for every leaf of the tree: a
+    knob added to config.py has its row (not walked until the walk runs), and a comment edited in
+    the source shows on the page once it is regenerated."""
+    knobs = generator()
+    with open(knobs.PAGE) as f:
+        committed = f.read()
+    generated = knobs.page()
+    diff = difflib.unified_diff(
+        committed.splitlines(), generated.splitlines(), "docs/knobs.md", "generated", lineterm=""
+    )
+    if committed != generated:
+        pytest.fail(
+            f"docs/knobs.md is not the generator's output: run {knobs.COMMAND}\n"
+            + "\n".join(list(diff)[:20])
+        )
+    rows = re.findall(r"^\| `([^`]+)` \|", committed, re.MULTILINE)
+    assert rows == leaves()
+
+
+def test_a_fields_comment_is_read_from_the_margin_or_the_lines_above(tmp_path, monkeypatch):
+    """The page's "what it is": the comment lines directly above a field (not a `# ---` banner,
+    not past a blank line) then its margin comment, whichever the formatter left."""
+    import importlib.util
+
+    knobs = generator()
+    (tmp_path / "fields.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass C:\n"
+        '    """Doc."""\n\n'
+        "    a: int = 1  # in the margin\n"
+        "    # --- a banner, no field's\n"
+        "    # above, line one\n"
+        "    # and line two\n"
+        "    b: str = '#not a comment'\n\n"
+        "    # cut off by the blank line\n\n"
+        "    c: tuple = (\n        1,\n    )  # on the last line\n"
+        "    # above\n"
+        "    d: float | None = None  # and beside\n"
+        "    e: int = 0\n"
+    )
+    spec = importlib.util.spec_from_file_location("fields", tmp_path / "fields.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "fields", module)  # where field_notes finds the file
+    spec.loader.exec_module(module)
+    assert knobs.field_notes(module.C) == {
+        "a": ("int", "in the margin"),
+        "b": ("str", "above, line one and line two"),
+        "c": ("tuple", "on the last line"),
+        "d": ("float | None", "above and beside"),
+        "e": ("int", ""),
+    }
 
 
 def test_every_inert_knob_says_why_and_every_value_is_new_and_legal():
