@@ -4,8 +4,8 @@ An *episode* is a conversation between the policy and an environment (env.py):
 
     prompt = render(system + user)                          tokens, mask 0
     repeat up to max_turns:
-        the engine samples an assistant message             tokens, mask 1, with the engine's
-        log-probs parse its <tool_call> blocks -> env.Action -> env.step(state, action)
+        the engine samples an assistant message             tokens, mask 1, engine log-probs
+        parse its <tool_call> blocks -> env.Action -> env.step(state, action)
         done? stop.  otherwise render the observation       tokens, mask 0
         (tool responses or a user message) + the next generation prompt
 
@@ -62,8 +62,7 @@ class AgentConfig:
     # the context window: the whole trajectory (prompt, every turn and observation) at most (the
     # third limit is rollout.max_tokens, tokens per turn)
     max_total_tokens: int = 512
-    # sampled tokens of an episode, all its turns together, at most (0: no limit but the context
-    # window)
+    # sampled tokens per episode, all turns together, at most (0: no limit but the context window)
     max_episode_tokens: int = 0
     # "qwen2.5" (stable re-rendering) | "qwen3" | "llama3" (chat.CHAT_FORMATS)
     chat_format: str = "qwen2.5"
@@ -74,8 +73,8 @@ class AgentConfig:
     # (the policy's own summary and the last turns)
     memory: str = "full"
     memory_turns: int = 4  # window, summary: the recent turns a compacted prompt keeps
-    # summary: also compact every this many turns (0: only when the next turn and a summary would
-    # not fit)
+    # summary: also compact every this many turns (0: only when the next turn and a summary
+    # would not fit)
     summary_every: int = 0
     summary_tokens: int = 128  # summary: the summary's length at most, in tokens
 
@@ -110,7 +109,8 @@ class Trajectory:
     parse_failures: int = 0
     tool_errors: int = 0  # tool calls that failed in the env (summed from the env's info)
     tool_timeouts: int = 0  # tool calls that timed out (summed from the env's info)
-    env_errors: int = 0  # env.reset or env.step raised (ends the episode; train.py drops its group)
+    # env.reset or env.step raised: that ends the episode, and train.py drops its group
+    env_errors: int = 0
     empty_responses: int = 0  # assistant turns whose content is blank
     # "done" | "max_turns" | "episode_tokens" (max_episode_tokens sampled) | "context_full" (no room
     # for the next turn in max_total_tokens) | "env_error"
@@ -125,8 +125,7 @@ class Trajectory:
     # the last env info (or {"error": ...} after an env error)
     info: dict = field(default_factory=dict)
     # (T,) weight version (updates seen) of the weights that sampled each token, -1 on tokens not
-    # sampled; -1 also where the engine does not report one (train.py then stamps the batch's
-    # version)
+    # sampled, and -1 where the engine does not report one (train.py then stamps the batch's)
     versions: list[int] = field(default_factory=list)
     # (T,) per sampled token, the size of the top-k / top-p set the engine drew it from
     # (Generation.kept_sizes; -1: not reported), 0 on tokens drawn from the whole vocabulary and
@@ -167,14 +166,13 @@ class Trajectory:
         `rows`, and the next turns extend the new one. end_segments adds the last row when the
         episode ends."""
         self.rows.append(self.closed_row())
-        self.token_ids, self.loss_mask, self.logprobs, self.versions, self.kept_sizes = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
-        self.turn_starts, self.prompt_len = [], len(prompt)
+        self.token_ids = []
+        self.loss_mask = []
+        self.logprobs = []
+        self.versions = []
+        self.kept_sizes = []
+        self.turn_starts = []
+        self.prompt_len = len(prompt)
         self.extend(list(prompt))
 
     def closed_row(self) -> "Trajectory":
@@ -290,7 +288,9 @@ def init_episodes(
     leaves no room for a turn already has finish_reason "context_full". A reset that raises gives an
     empty episode that ended with "env_error" (its error in info), as a step that raises does: the
     batch goes on."""
-    trajs, states, prompt_cache = [], [], {}
+    trajs = []
+    states = []
+    prompt_cache = {}  # rendered prompt -> its ids
     for g, task in enumerate(tasks):
         env = envs[task.env]
         for s in range(cfg.n_samples):
@@ -357,8 +357,7 @@ def state_key(state) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
-# the smallest budget worth another turn: one sampled token plus the slot kept for a forced
-# <|im_end|>
+# the smallest budget worth another turn: one sampled token, plus the slot of a forced <|im_end|>
 MIN_ROOM = 2
 # mix_seed(seed, turn, _MEMORY_SEED): a memory policy's own draws (summaries)
 _MEMORY_SEED = 1 << 20
@@ -409,7 +408,7 @@ def play_episodes(
     three length limits (turn_room); a turn cut at it is counted by the limit that cut it
     (Trajectory.truncated_turns, truncated_episode, context_full).
     """
-    # <|im_end|>; llama3: eot, eom
+    # the ids that end a turn: <|im_end|> (llama3: eot, eom)
     ends = [tokenizer.token_to_id(t) for t in turn_ends(cfg.chat_format)]
     if None in ends:
         raise ValueError(
@@ -418,7 +417,7 @@ def play_episodes(
     stop_ids = tuple(dict.fromkeys((*ends, *params.stop_token_ids)))
 
     active = [i for i, t in enumerate(trajs) if not t.finish_reason]
-    # the first prompt: the task's start state
+    # the key of the state each episode's next turn acts from (state_key): for turn 0, its prompt's
     state_keys = {i: state_key(trajs[i].token_ids) for i in active}
     # None: each turn's prompt is the whole episode so far (memory=full)
     memory = memory_policy(cfg, tokenizer)
@@ -428,7 +427,7 @@ def play_episodes(
             memory.next_prompts(
                 engine, [trajs[i] for i in active], params, mix_seed(seed, turn, _MEMORY_SEED)
             )
-            # no room left, even compacted
+            # an episode with no room left, even compacted, has ended
             active = [i for i in active if not trajs[i].finish_reason]
         rooms = [turn_room(trajs[i], cfg, params.max_tokens) for i in active]
         budgets = [min(room.values()) for room in rooms]
@@ -492,8 +491,9 @@ def _add_turn(
     budget = min(room.values())
     ids, lps, stopped = cut_generation(gen, budget, stop_ids)
     content_ids = ids[:-1] if stopped else ids
-    if not stopped:  # cut: by the first limit at the budget (an engine that stopped short
-        # on its own: turn)
+    # cut: counted by the first limit equal to the budget (by "turn" when the engine stopped short
+    # of the budget on its own)
+    if not stopped:
         limit = next(k for k, v in room.items() if v == budget) if len(ids) >= budget else "turn"
         if limit == "turn":
             traj.truncated_turns += 1
@@ -507,8 +507,8 @@ def _add_turn(
         sampled=True,
         logprobs=lps,
         versions=(getattr(gen, "versions", None) or [])[: len(ids)],
-        kept_sizes=gen.kept_sizes[: len(ids)],
-    )  # empty sizes: not truncated
+        kept_sizes=gen.kept_sizes[: len(ids)],  # empty: not truncated
+    )
     if not ids or ids[-1] not in ends:
         # cut by max_tokens (or stopped by another stop token): close the turn so the conversation
         # stays well formed. Forced, not sampled: mask 0, so the policy is not trained on it.
@@ -533,7 +533,9 @@ def _add_step(
     state, obs, reward, done, info, error = result
     if error is not None:  # a broken env ends this episode, not the whole batch
         traj.env_errors += 1
-        traj.reward, traj.done, traj.finish_reason = 0.0, False, "env_error"
+        traj.reward = 0.0
+        traj.done = False
+        traj.finish_reason = "env_error"
         traj.turn_rewards = [0.0] * (len(traj.turn_rewards) + 1)  # every sampled turn, this one too
         traj.info = {"error": error}
         return None
@@ -567,8 +569,8 @@ def _add_step(
 class Judgment(NamedTuple):
     """A judge's verdict on one finished episode."""
 
-    # in [0, 1], added to the reward times judge_weight; None: no verdict (an env without a judge),
-    # nothing added
+    # in [0, 1], added to the reward times judge_weight (None: no verdict, as from an env without
+    # a judge, and nothing added)
     score: float | None
     failed: bool = False  # the judge's reply could not be read: score is the judge's failure value
 
@@ -625,7 +627,10 @@ class LocalRollouts:
         agent: AgentConfig,
         judge: Judge | None = None,
     ):
-        self.engine, self.envs, self.tokenizer, self.agent = engine, envs, tokenizer, agent
+        self.engine = engine
+        self.envs = envs
+        self.tokenizer = tokenizer
+        self.agent = agent  # the AgentConfig that play uses unless given another
         self.judge = judge  # finish_episodes' judge (None: the envs' own): an LLM judge, judge.py
 
     def play(

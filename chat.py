@@ -2,15 +2,17 @@
 message.
 
 The agent loop (agent.py) owns the tokens; this file owns the text they encode:
-  render(messages, tools)         OpenAI-style messages -> the prompt text of a chat format, by hand
-  (no jinja at
-                                  run time), byte-equal to the real templates (tested against
-                                  jinja2);
+  render(messages, tools)         OpenAI-style messages -> the prompt text of a chat format, by
+                                  hand (no jinja at run time), byte-equal to the real templates
+                                  (tested against jinja2);
   render_continuation(obs)        the text one observation adds to a conversation, cut out of
-  render() itself; encode(tokenizer, text)         text -> token ids, special tokens written in the
-  text mapped to their ids; make_action(text)               -> env.Action (text, tool calls, parse
-  error), what env.step takes; parse_assistant_message(text)   -> the OpenAI-style message that
-  render() writes back as exactly `text`.
+                                  render() itself;
+  encode(tokenizer, text)         text -> token ids, special tokens written in the text mapped to
+                                  their ids;
+  make_action(text)               -> env.Action (text, tool calls, parse error), what env.step
+                                  takes;
+  parse_assistant_message(text)   -> the OpenAI-style message that render() writes back as exactly
+                                  `text`.
 The tool-call syntax (its one writer, tool_call_text, and its parser, parse_tool_calls, which never
 raises and repairs the JSON mistakes small models make) lives in tool_calls.py; render() writes
 calls with the writer.
@@ -18,14 +20,14 @@ calls with the writer.
 Chat formats (CHAT_FORMATS; the Qwen ones are written here, the others in a wing file reached by
 name through WING_FORMATS, which defines the same functions: render, render_continuation,
 make_action, parse_assistant_message, and TURN_ENDS):
-  "qwen2.5": ChatML with Qwen's tool section. Stable: rendering a longer conversation never changes
-  the
-             text of earlier turns, so a trajectory also equals render(messages) tokenized (for a
-             tokenizer whose merges do not cross the turn boundaries). The embedded default model
-             uses it.
+  "qwen2.5": ChatML with Qwen's tool section. Stable: rendering a longer conversation never
+             changes the text of earlier turns, so a trajectory also equals render(messages)
+             tokenized (for a tokenizer whose merges do not cross the turn boundaries). The
+             embedded default model uses it.
   "qwen3":   byte-equal to the chat template that Qwen3 checkpoints ship (tests compare with
-  jinja2). "llama3":  Llama 3.1 / 3.2 Instruct, JSON tool calls (wings/chat_llama3.py,
-  docs/chat_formats.md).
+             jinja2).
+  "llama3":  Llama 3.1 / 3.2 Instruct, JSON tool calls (wings/chat_llama3.py,
+             docs/chat_formats.md).
 WHY qwen2.5 is the default: Qwen3's template drops the (empty) think block from assistant turns
 before the last one and adds one to the last, so a re-rendered multi-turn conversation is not the
 text the engine saw when it sampled each turn. In "qwen2.5" every turn renders the same whatever
@@ -54,8 +56,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # Qwen's, Llama 3.1's: pad_token_id takes the first
 PAD_TOKENS = ("<|endoftext|>", "<|finetune_right_pad_id|>")
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# The tool section is the same text in Qwen2.5 and Qwen3 (Qwen3 writes the system content + "\n\n"
-# first).
+# The tool section, the same text in Qwen2.5 and Qwen3 (Qwen3 writes system content + "\n\n" first)
 _TOOLS_HEAD = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -144,7 +145,8 @@ def render(
             break
 
     for i, m in enumerate(messages):
-        role, last = m["role"], i == len(messages) - 1
+        role = m["role"]
+        last = i == len(messages) - 1
         if role == "user" or (role == "system" and i > 0):
             out.append(IM_START + role + "\n" + m["content"] + IM_END + "\n")
         elif role == "assistant":
@@ -243,8 +245,7 @@ def make_action(text: str, chat_format: str = "qwen2.5") -> Action:
 
 def parse_assistant_message(text: str, chat_format: str = "qwen2.5") -> dict:
     """The OpenAI-style assistant message of a decoded completion, such that render() gives `text`
-    back (a wing
-    format: its own parse_assistant_message).
+    back (a wing format: its own parse_assistant_message).
 
     tool_calls = the calls of the blocks that end the message exactly as render() writes them
     (canonical JSON, one "\n" between blocks and before the first); content = the text before them.

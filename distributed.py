@@ -24,12 +24,12 @@ from torch.distributed.fsdp import (
 )
 
 
-# # `python train.py` is one process and none of this does anything. Under `torchrun
-# --nproc_per_node N` every rank builds the same model and calls the same learner functions on the
-# same global batch; the learner splits rows across ranks (learner.py's docstring, point 4). Every
-# forward and backward of a sharded model is a collective (parameters are all-gathered per layer),
-# so every rank must run the same number of them: `microbatch.rank_micro_batches` pads a rank that
-# has fewer rows with zero-weight micro-batches.
+# `python train.py` is one process and none of this does anything. Under torchrun every rank builds
+# the same model and calls the same learner functions on the same global batch; the learner splits
+# rows across ranks (learner.py's docstring, point 4). Every forward and backward of a sharded model
+# is a collective (parameters are all-gathered per layer), so every rank must run the same number of
+# them: `microbatch.rank_micro_batches` pads a rank that has fewer rows with zero-weight
+# micro-batches.
 
 
 def init_distributed() -> tuple[int, int]:
@@ -68,7 +68,8 @@ def alone():
     inside, the helpers see one process (rank 0 of 1), so no collective is started that the waiting
     ranks would never join and no rows are split across ranks. The build is then the one `python
     train.py` makes."""
-    _ALONE[0], before = True, _ALONE[0]
+    before = _ALONE[0]
+    _ALONE[0] = True
     try:
         yield
     finally:
@@ -128,16 +129,13 @@ def shard_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
     """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), written out: each
     decoder layer is its own unit (its parameters are all-gathered just before it runs and freed
     after), then the root takes what is left (embeddings, final norm, lm_head; a Critic's value
-    head). In one process the model comes back unsharded. On GPUs the model moves to this rank's GPU
-    and, with cfg.mixed_precision, computes in bf16 while gradients are reduced in fp32 (the fp32
-    master weights stay sharded). A single process with a GPU gets the model moved there,
-    unsharded."""
+    head). In one process the model comes back unsharded, moved to the GPU if there is one. On GPUs
+    the model moves to this rank's GPU and, with cfg.mixed_precision, computes in bf16 while
+    gradients are reduced in fp32 (the fp32 master weights stay sharded)."""
     if get_world_size() == 1:
-        return (
-            model.to(torch.device("cuda", torch.cuda.current_device()))
-            if torch.cuda.is_available()
-            else model
-        )
+        if torch.cuda.is_available():
+            return model.to(torch.device("cuda", torch.cuda.current_device()))
+        return model
     mp = MixedPrecisionPolicy()  # CPU: compute in the parameters' own dtype
     if _on_gpu():
         model.to(torch.device("cuda", torch.cuda.current_device()))

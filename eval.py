@@ -1,14 +1,14 @@
 """eval.py: held-out evaluation of a policy, per environment.
 
     python eval.py --checkpoint runs/toy_math/final --config configs/toy_math.yaml
-    python eval.py --policy expert --config configs/tool_use.yaml     # the ceiling (or --policy
-    random: the floor) python eval.py --checkpoint DIR --config ... rollout.engine=openai
-    rollout.base_url=http://host:8000/v1
-                                                          # a model served by `vllm serve DIR` (DIR:
-                                                          its tokenizer)
-    python eval.py --checkpoint DIR --config ... rollout.engine=vllm    # vLLM in this process (pip
-    install vllm) python eval.py ... eval.n_samples=10 'eval.pass_k=[1,5,10]' eval_temperature=0.8
+    # the ceiling (--policy random: the floor)
+    python eval.py --policy expert --config configs/tool_use.yaml
+    # a model served by `vllm serve DIR` at URL (http://host:8000/v1; DIR: its tokenizer)
+    python eval.py --checkpoint DIR --config ... rollout.engine=openai rollout.base_url=URL
+    # vLLM in this process (pip install vllm)
+    python eval.py --checkpoint DIR --config ... rollout.engine=vllm
     # pass@k from 10 samples
+    python eval.py ... eval.n_samples=10 'eval.pass_k=[1,5,10]' eval_temperature=0.8
 
 Runs each env's held-out tasks eval.n_samples times (once by default) through the same rollout
 source as training (greedy by default, `eval_temperature`), and reports per env and overall:
@@ -150,10 +150,9 @@ def pass_metrics(outcomes: list[list[bool]], pass_k: tuple[int, ...]) -> dict[st
 
 def episode_success(reward: float, env_metrics: dict) -> bool:
     """Whether an episode solved its task, for pass@k: the env's own "success" metric where it
-    reports one (the
-    worlds: alfworld_lite, tau_lite, and webshop_lite, whose reward gives partial credit for a
-    near-miss buy), else full reward (reward >= 1: every env whose reward is 1 iff correct;
-    search_lite's format bonus only adds to it)."""
+    reports one (the worlds: alfworld_lite, tau_lite, and webshop_lite, whose reward gives partial
+    credit for a near-miss buy), else full reward (reward >= 1: every env whose reward is 1 iff
+    correct; search_lite's format bonus only adds to it)."""
     return float(env_metrics["success"]) >= 1.0 if "success" in env_metrics else reward >= 1.0
 
 
@@ -192,15 +191,17 @@ def play_scripted(
             rng = random.Random(episode_seed)
             state, _ = env.reset(task, seed=episode_seed)
             script = expert_actions(env, task, episode_seed) if policy == "expert" else None
-            reward, done, turns, tool_calls, info = 0.0, False, 0, 0, {}
+            reward = 0.0
+            done = False
+            turns = 0
+            tool_calls = 0
+            info = {}
             while not done and turns < max_turns and (script is None or turns < len(script)):
                 action = script[turns] if script is not None else env.random_action(state, rng)
                 state, _, r, done, info = env.step(state, action)
-                reward, turns, tool_calls = (
-                    reward + r,
-                    turns + 1,
-                    tool_calls + info.get("tool_calls", 0),
-                )
+                reward += r
+                turns += 1
+                tool_calls += info.get("tool_calls", 0)
             episodes.append(
                 {
                     "task_id": task.id,

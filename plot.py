@@ -73,7 +73,10 @@ def _line(img, x0, y0, x1, y1, color, width=2):
 
 def _panel(img, top, title, points, max_step, color):
     """One 0..1 panel at pixel row `top`: frame, grid at quarters, tick labels, the curve."""
-    left, width, height = 60, img.shape[1] - 80, 180
+    # the frame, in pixels: its left edge, width and height
+    left = 60
+    width = img.shape[1] - 80
+    height = 180
     _text(img, left, top - 18, title, (0, 0, 0))
     for q in range(5):
         y = top + height - int(q / 4 * height)

@@ -17,15 +17,14 @@ optional pieces of this one are wings, files of their own that make_engine impor
 a run asks for them (as env.py imports the worlds):
   engine_vllm.py     VLLMEngine, a colocated vLLM (rollout.engine=vllm)
   engine_openai.py   OpenAIEngine, a client of an OpenAI-compatible server (rollout.engine=openai):
-  trains through
-                     serve.py or a `vllm serve` that reloads pushed weights, evaluates any
+                     trains through serve.py or a `vllm serve` that reloads pushed weights,
+                     evaluates through any such server
   prefix_cache.py    keys and values kept across calls, so a turn prefills only its new tokens
-  (prefix_cache_tokens) async_rollouts.py  a TorchEngine that generates in a background thread and
-  takes pushes mid-generation
-                     (rollout.async_rollouts, rollout.partial_rollouts)
+                     (prefix_cache_tokens)
+  async_rollouts.py  a TorchEngine that generates in a background thread and takes pushes
+                     mid-generation (rollout.async_rollouts, rollout.partial_rollouts)
   fast_decode.py     a decode step that reads a group's prompt once, with fused projections,
-  optionally compiled
-                     (rollout.decode)
+                     optionally compiled (rollout.decode)
 Each optional piece is a subclass of TorchEngine that overrides its hooks (_prefill_layout,
 _token_boundary, _decode, _rows_done, _store, draw); make_engine combines the ones a run turns on.
 
@@ -34,9 +33,8 @@ short continuations and the learner scores them; their log-probs must agree, or 
 running the learner's weights. Running engines on Ray workers is cluster.py's job.
 
 Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct prompts, C cache
-columns holding
-        prefix-cached tokens (0 without prefix_cache.py), S columns of tokens to prefill, N max new
-        tokens, V vocab, H hidden.
+        columns holding prefix-cached tokens (0 without prefix_cache.py), S columns of tokens to
+        prefill, N max new tokens, V vocab, H hidden.
 Imports: model.py, algos.py (the one definition of the top-k / top-p set, truncation_mask, which the
 learner rebuilds), distributed.py (the gate's ranks) (and torch, safetensors, the standard library).
 """
@@ -60,10 +58,11 @@ class SamplingParams:
     """What an engine is asked to do with each prompt (the same fields for torch, vLLM and remote
     engines)."""
 
-    n: int = 1  # samples per prompt; outputs are ordered prompt-major
+    n: int = 1  # samples per prompt, outputs ordered prompt-major
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus sampling mass (1: off)
-    top_k: int = 0  # sample among the k most likely tokens only (0: off); top-k first, then top-p
+    # sample among the k most likely tokens only (0: off), applied before top-p
+    top_k: int = 0
     max_tokens: int = 256  # new tokens at most, per sample
     # generation stops after emitting one of these (it is kept in the output)
     stop_token_ids: tuple = ()
@@ -117,8 +116,8 @@ class Generation:
 def sample_tokens(
     logits, temperature: float, top_p: float = 1.0, generator=None, top_k: int = 0, draw=None
 ):
-    """Pick one token per row. logits (B, V) -> (tokens (B,), logprobs (B,), kept sizes (B,) long or
-    None).
+    """Pick one token per row: logits (B, V) -> (tokens (B,), logprobs (B,), kept sizes (B,) long
+    or None).
 
     The log-prob reported is that of the distribution the token was drawn from, at the chosen token:
     log softmax(logits / T) (T = 1 when greedy). With top-k / top-p (temperature > 0), the token is
@@ -247,11 +246,13 @@ class TorchEngine:
     (rollout/prefix_cached). The hooks (_prefill_layout, _token_boundary, _decode, _rows_done,
     _store, draw) are the plain step here; the wings override them."""
 
-    draw = None  # sample_tokens' draw (None: torch.multinomial); fast_decode.py: the inverse CDF
+    # sample_tokens' draw (None: torch.multinomial; fast_decode.py's is an inverse CDF)
+    draw = None
 
     def __init__(self, model: Transformer, pad_id: int, max_batch_size: int = 256):
         self.model = model  # the learner's own module (train.shares_engine_model) or a copy
-        self.pad_id, self.max_batch_size = pad_id, max_batch_size
+        self.pad_id = pad_id
+        self.max_batch_size = max_batch_size
         self.prefilled_tokens = self.prompt_tokens = 0
 
     @torch.inference_mode()
@@ -308,11 +309,11 @@ class TorchEngine:
         for t in range(N):
             cache, h = self._token_boundary(prompts, rows, real, tokens, cache, C + S, h)
             logits = self.model.lm_head(h[:, -1])  # (b, V)
+            # (b,), (b,), (b,) or None
             tok, lp, size = sample_tokens(
                 logits, params.temperature, params.top_p, generator, params.top_k, self.draw
-            )  # (b,), (b,), (b,) or None
-            # a finished row still in the batch writes past its length; those entries are cut off
-            # below
+            )
+            # a finished row still in the batch writes past its length (cut off below)
             tokens[rows, t], logprobs[rows, t] = tok, lp
             if size is not None:
                 kept_sizes[rows, t] = size
@@ -321,23 +322,23 @@ class TorchEngine:
             live = ~stopped[rows]  # (b,)
             if t == N - 1 or not bool(live.any()):
                 break
+            # a quarter has finished: drop those rows (and their KV cache), so a few long samples
+            # do not drag the whole batch through every remaining step
             if 4 * int(live.sum()) <= 3 * len(rows):
-                # a quarter has finished: drop those rows (and their KV
-                # cache), so a few long samples do not drag the whole batch through every remaining
-                # step
                 keep = live.nonzero().squeeze(1)  # (b',)
                 self._rows_done(cache, real, rows, (~live).nonzero().squeeze(1), C + S)
-                rows, tok, real, next_pos = rows[keep], tok[keep], real[keep], next_pos[keep]
+                rows = rows[keep]
+                tok = tok[keep]
+                real = real[keep]
+                next_pos = next_pos[keep]
                 cache.keep_rows(keep)
             h = self._decode(tok, next_pos + t, real, cache)  # (b, 1, H)
 
         self._rows_done(cache, real, rows, torch.arange(len(rows), device=device), C + S)
-        tokens, logprobs, lengths, stopped = (
-            tokens.tolist(),
-            logprobs.tolist(),
-            lengths.tolist(),
-            stopped.tolist(),
-        )
+        tokens = tokens.tolist()
+        logprobs = logprobs.tolist()
+        lengths = lengths.tolist()
+        stopped = stopped.tolist()
         kept_sizes = kept_sizes.tolist() if params.truncates else [[] for _ in range(B)]
         self._store(prompts, tokens, lengths)
         return [
@@ -392,8 +393,8 @@ class TorchEngine:
         self._load(state_dict)
 
     def _check(self, state_dict: dict):
-        required = dict(self.model.named_parameters())  # tied names appear once
-        # ... and here under both names
+        # a tied parameter appears once in `required`, under both of its names in `known`
+        required = dict(self.model.named_parameters())
         known = dict(self.model.named_parameters(remove_duplicate=False))
         check_state_dict(
             state_dict,
@@ -446,13 +447,13 @@ def make_engine(
 ):
     """The engine of `kind` for the Hugging Face folder `model_dir` (engine_options(cfg) gives every
     keyword from a run's config):
-      torch   TorchEngine over `model` (the caller's own copy, or the learner's module) or, when
-      None, the folder
-              loaded in `dtype`; with the pieces a run turns on (decode: fast or compiled, the
-              decode step of fast_decode.py; prefix_cache_tokens > 0; concurrent: generate in a
-              background thread, pushes mid-generation) combined into one subclass;
+      torch   TorchEngine over `model` (the caller's own copy, or the learner's module) or,
+              when None, the folder loaded in `dtype`; with the pieces a run turns on (decode:
+              fast or compiled, the decode step of fast_decode.py; prefix_cache_tokens > 0;
+              concurrent: generate in a background thread, pushes mid-generation) combined into
+              one subclass;
       vllm, openai   ENGINES' class, built from the folder and `options` by its `build`
-      classmethod."""
+                     classmethod."""
     if kind in ENGINES:
         return wing(ENGINES[kind]).build(
             model_dir, dtype=dtype, max_batch_size=max_batch_size, **options
@@ -487,8 +488,7 @@ def engine_options(cfg) -> dict:
         "dtype": cfg.model.dtype,
         "seed": cfg.seed,
         "cache_dir": cfg.model.cache_dir,
-        # a whole trajectory, plus a turn's new tokens or the weight-sync probe's, whichever is
-        # longer
+        # a whole trajectory, plus a turn's new tokens or the weight-sync probe's (the longer)
         "max_model_len": rollout.agent.max_total_tokens
         + max(rollout.max_tokens, rollout.sync_check_tokens),
         "max_batch_size": rollout.max_batch_size,
@@ -505,7 +505,6 @@ def engine_options(cfg) -> dict:
 
 # -----------------------------------------------------------------------------
 # the weight-sync gate
-
 #
 # After a push the engine must run exactly the learner's weights, and comparing weights cannot show
 # it: vLLM fuses and repacks them, and a stale prefix cache or a tensor left out leaves every weight
@@ -529,7 +528,8 @@ def default_sync_threshold(dtype: str, precision: str = "fp32") -> float:
 
 
 def sync_probe(engine, prompts: list[list[int]], params: SamplingParams):
-    """The engine's half of the gate: (the prompt of each generation, the generations, the
+    """The engine's half of the gate: `engine` (an engine, or a rollout source, whose generate is
+    its engine's) continues `prompts` -> (the prompt of each generation, the generations, the
     temperature)."""
     gens = engine.generate(prompts, params)
     return [prompts[i // params.n] for i in range(len(gens))], gens, params.temperature
@@ -542,18 +542,21 @@ def assert_synced(worst: float, max_diff: float, n: int) -> float:
         raise RuntimeError(
             f"weight sync check failed: the engine's log-probs differ from the learner's by up to "
             f"{worst:.3g} (> {max_diff:g}) on {n} sampled continuations: the engine is not "
-            f"running the learner's weights (a failed push, a stale prefix cache, a dtype or layout "
-            f"mismatch). rollout.sync_max_logprob_diff sets the threshold"
+            f"running the learner's weights (a failed push, a stale prefix cache, a dtype or "
+            f"layout mismatch). rollout.sync_max_logprob_diff sets the threshold"
         )
     return worst
 
 
-def weight_sync_gate(cfg, engine, model: Transformer, trajectories: list, seed: int) -> dict:
-    """The whole gate, as train.py runs it after a push under a run's config.Config: rank 0's engine
-    continues the longest trajectory of the first rollout.sync_check_samples groups by
-    sync_check_tokens (seeded by `seed`), every rank's learner `model` scores those tokens (a
-    sharded forward needs them all), and a gap past the threshold stops the run ->
-    {"sync/logprob_abs_diff": the gap}. Other ranks pass engine=None and no trajectories."""
+def weight_sync_gate(cfg, rollouts, model: Transformer, trajectories: list, seed: int) -> dict:
+    """The whole gate, as train.py runs it after a push under a run's config.Config. Rank 0 takes
+    the first trajectory of each group (every rollout.agent.n_samples-th of the group-major
+    `trajectories`), and `rollouts` (the rollout source: agent.LocalRollouts, or a wing's)
+    continues the rollout.sync_check_samples longest of them (in tokens) by
+    rollout.sync_check_tokens each, at the rollout temperature without top-k / top-p, seeded by
+    `seed`. Every rank's learner `model` scores those tokens (a sharded forward needs them all), and
+    a gap past the threshold stops the run -> {"sync/logprob_abs_diff": the gap}. Other ranks pass
+    rollouts=None and no trajectories."""
     probe = None
     if is_main():
         longest = sorted(
@@ -565,7 +568,7 @@ def weight_sync_gate(cfg, engine, model: Transformer, trajectories: list, seed: 
             cfg.rollout, top_p=1.0, top_k=0, max_tokens=cfg.rollout.sync_check_tokens, seed=seed
         )
         probe = sync_probe(
-            engine, [t.token_ids for t in longest[: cfg.rollout.sync_check_samples]], params
+            rollouts, [t.token_ids for t in longest[: cfg.rollout.sync_check_samples]], params
         )
     prompts, gens, temperature = broadcast_object(probe)
     threshold = cfg.rollout.sync_max_logprob_diff

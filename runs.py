@@ -2,28 +2,29 @@
 
     config.yaml               the resolved config (write_config)
     metrics.jsonl             one JSON object per step (Logger; also to wandb, offline unless
-    WANDB_MODE says otherwise) episodes_step<N>.jsonl    every held-out episode of the eval at step
-    N (eval.dump_episodes) checkpoints/step_<N>/     a checkpoint every checkpoint_every steps
-    (save_run_checkpoint), keep_checkpoints kept final/                    the last checkpoint: a
-    Hugging Face folder (weights, tokenizer) plus the learner's state curves.png, summary.json  the
-    reward and held-out accuracy curves, the eval curve and the wall time (finish_run)
+                              WANDB_MODE says otherwise)
+    episodes_step<N>.jsonl    every held-out episode of the eval at step N (eval.dump_episodes)
+    checkpoints/step_<N>/     a checkpoint every checkpoint_every steps (save_run_checkpoint),
+                              keep_checkpoints kept
+    final/                    the last checkpoint: a Hugging Face folder (weights, tokenizer) plus
+                              the learner's state
+    curves.png, summary.json  the reward and held-out accuracy curves, the eval curve and the wall
+                              time (finish_run)
 
 Nothing is lost when a run is killed (preemption, OOM, Ctrl-C, SIGKILL) at any moment:
   - a checkpoint folder is complete or absent: it is written into `<name>.partial/`, its marker
-  (checkpoint.json,
-    with the RL step) written last, then renamed into place; a loader refuses a folder without the
-    marker;
+    (checkpoint.json, with the RL step) written last, then renamed into place; a loader refuses a
+    folder without the marker;
   - `resume=auto` continues from the latest complete checkpoint of the run folder (or starts fresh
-  when there is
-    none), so a preemptible job is relaunched with the same command; a run folder whose config.yaml
-    differs from the new config (in anything but RESUME_FREE_KEYS) is refused, naming the keys;
+    when there is none), so a preemptible job is relaunched with the same command; a run folder
+    whose config.yaml differs from the new config (in anything but RESUME_FREE_KEYS) is refused,
+    naming the keys;
   - on resume the logs are cut back to the checkpoint: metrics.jsonl keeps the records up to its
-  step and the
-    episode dumps after it are removed, so the logs always match the weights (and wandb resumes the
-    same run).
+    step and the episode dumps after it are removed, so the logs always match the weights (and
+    wandb resumes the same run).
 Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks. At the
-end of the file: the two perf metrics that describe the run's device, the peak FLOP/s behind
-perf/mfu and perf/peak_memory_gib.
+end of the file: the perf metrics of a step (PerfMeter): perf/mfu over the device's peak FLOP/s,
+perf/peak_memory_gib, and the wall-clock seconds and tokens per second of each phase.
 Imports: model.py, plot.py (the curves), distributed.py, env.py, learner.py (checkpoints) (and
 torch, wandb, yaml, the standard library).
 """
@@ -106,8 +107,9 @@ def resolve_resume(cfg) -> str:
         differ = [k for k in differ if k not in RESUME_FREE_KEYS]
         if differ:
             raise ValueError(
-                f"resume into {run_dir}: its config.yaml differs from this config in {differ}; resume with "
-                "the same config (only steps and the launch keys may change) or use another run_name"
+                f"resume into {run_dir}: its config.yaml differs from this config in {differ}; "
+                "resume with the same config (only steps and the launch keys may change) or use "
+                "another run_name"
             )
     return path
 
@@ -310,7 +312,9 @@ class Logger:
     as Ray's dispatch/* and an env's score_seconds), so a record is reproducible bit for bit."""
 
     def __init__(self, run_dir: str, cfg, resume_step: int | None = None, enabled: bool = True):
-        self.file, self.wandb, self.log_timings = None, None, cfg.log_timings
+        self.file = None  # metrics.jsonl, opened when enabled
+        self.wandb = None  # the wandb run, when enabled and cfg.wandb
+        self.log_timings = cfg.log_timings
         self.history = []  # (step, metrics): the records kept, for the curves
         if not enabled:
             return
@@ -464,10 +468,10 @@ def check_model_folder(path, key: str, weights: bool = True) -> str:
     needs = (["config.json"] if weights else []) + ["tokenizer.json"]
     missing = [n for n in needs if not os.path.isfile(os.path.join(path, n))]
     if weights:
-        try:  # model.safetensors, or every shard the index lists
+        # model.safetensors, or every shard of an index that must read {"weight_map": {name: file}}
+        try:
             shards = safetensors_files(path)
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
-            # not {"weight_map": {name: file}}
             raise ValueError(
                 f"{_named(key, path)}: its model.safetensors.index.json is not a readable index"
             ) from None
@@ -496,11 +500,11 @@ def check_checkpoint_folder(path, key: str, critic: bool = False) -> str:
 
 def check_paths(cfg, training: bool = True):
     """Every file and folder `cfg` names, checked -> cfg; else ValueError naming the key and the
-    path.
-    Envs: the kwargs their class lists in `file_kwargs` (the dataset env's path and test_path).
-    training=True (train.py) also checks what only training reads: model.path ("default" is built on
-    first use) and resume (a complete checkpoint; "auto" finds the run's latest one itself), and
-    refuses to resume into a run folder whose config.yaml differs (runs.resolve_resume)."""
+    path. Envs: the kwargs their class lists in `file_kwargs` (the dataset env's path and
+    test_path). training=True (train.py) also checks what only training reads: model.path
+    ("default" is built on first use), rollout.external_agent's file, algo.teacher_path and resume
+    (a complete checkpoint; "auto" finds the run's latest one itself), and refuses to resume into a
+    run folder whose config.yaml differs (runs.resolve_resume)."""
     for i, spec in enumerate(cfg.envs):
         for name in env_class(spec.name).file_kwargs:
             if spec.kwargs.get(name) is not None:
@@ -586,7 +590,8 @@ class PerfMeter:
     `device`, measured once, at the start)."""
 
     def __init__(self, device: torch.device, override: float, world: int):
-        self.device, self.world = device, world
+        self.device = device
+        self.world = world  # processes that run the learner
         self.peak = peak_flops(device, override)
 
     def measure(

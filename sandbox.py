@@ -2,16 +2,14 @@
 sandboxes share.
 
 Model-written code is hostile input. Two sandboxes, for two jobs:
-  1. python_eval (`check_code`, `PythonSandbox`, the shared `SANDBOX`), this file: a calculator. A
-  static AST
-     check (no imports, attributes only as math.<name>, calls only to safe builtins) and ONE
-     persistent, resource-limited worker process, so RL can afford ~100 snippets per step (~0.5 ms
-     each).
-  2. python_exec (`run_python`, `execute_python`, `ExecLimits`, `check_program`), sandbox_exec.py: a
-  whole
-     program in a fresh `python -I -S` process per call (~50 ms), with an empty environment, its own
-     temporary directory, hard resource limits, as `nobody` when we run as root, behind an AST check
-     and an audit hook inside the child.
+  1. python_eval (`check_code`, `PythonSandbox`, the shared `SANDBOX`), this file: a calculator.
+     A static AST check (no imports, attributes only as math.<name>, calls only to safe builtins)
+     and ONE persistent, resource-limited worker process, so RL can afford ~100 snippets per step
+     (~0.5 ms each).
+  2. python_exec (`run_python`, `execute_python`, `ExecLimits`, `check_program`), sandbox_exec.py:
+     a whole program in a fresh `python -I -S` process per call (~50 ms), with an empty
+     environment, its own temporary directory, hard resource limits, as `nobody` when we run as
+     root, behind an AST check and an audit hook inside the child.
 Both return short text (results, or "Error: ..."); nothing raises into the agent loop. Neither is a
 security boundary against a determined attacker (see each file's section comment, and
 docs/sandbox.md). Shared with sandbox_exec.py: SAFE_BUILTINS, parse_python and its lock
@@ -44,14 +42,11 @@ import warnings
 #
 # What it promises:
 #   - A snippet cannot import, touch any attribute except math.<public name> (this is what closes
-# the
-#     classic escapes: ().__class__.__base__.__subclasses__(), "{0.__class__}".format(x),
-# gen.gi_frame),
-#     name anything starting with "__", or call anything but SAFE_BUILTINS, math functions and
-# functions
-#     it defines itself. This is checked statically twice: here, before sending, and again inside
-# the
-#     worker, so the worker stays safe even when someone talks to it directly.
+#     the classic escapes: ().__class__.__base__.__subclasses__(), "{0.__class__}".format(x),
+#     gen.gi_frame), name anything starting with "__", or call anything but SAFE_BUILTINS, math
+#     functions and functions it defines itself. This is checked statically twice: here, before
+#     sending, and again inside the worker, so the worker stays safe even when someone talks to it
+#     directly.
 #   - Inside the worker the snippet's builtins are only SAFE_BUILTINS: open, exec, eval, getattr,
 #     __import__ ... do not exist at run time, whatever the AST check might have missed.
 #   - Runaway code is stopped: a wall-clock timeout (the parent kills the worker's process group and
@@ -104,10 +99,11 @@ def parse_python(source: str, mode: str = "exec") -> ast.AST:
     can fail with "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905; seen
     in CI). Every parse in this process takes the lock; the single-threaded children call ast.parse
     (they get their source alone)."""
-    with _PARSE_LOCK, warnings.catch_warnings():  # the lock keeps the filter change to this parse
-        # model-written code's SyntaxWarnings ("invalid decimal literal")
+    # model-written code's SyntaxWarnings ("invalid decimal literal") are its own business, not the
+    # run's output; the lock keeps the filter's change to this parse
+    with _PARSE_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return ast.parse(source, mode=mode)  # are its own business, not the run's output
+        return ast.parse(source, mode=mode)
 
 
 def _parse_source(code: str, max_chars: int, what: str):
@@ -156,8 +152,8 @@ def check_code(code: str) -> str | None:
             isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in math_names
         ):
             return f"attribute access .{node.attr} is not allowed (only math.<function>)"
+        # a call of math.f was checked above, as an attribute
         if isinstance(node, ast.Call) and not isinstance(node.func, ast.Attribute):
-            # math.f: checked above
             if not (
                 isinstance(node.func, ast.Name)
                 and (node.func.id in SAFE_BUILTINS or node.func.id in defined)
@@ -193,9 +189,11 @@ def _run_snippet(code: str, max_chars: int) -> tuple[str, str | None]:
                 else None
             )
         text = printed.getvalue() + (repr(value) if value is not None else "")
-        text, kind = (text.rstrip("\n") or "(no output)"), None
+        text = text.rstrip("\n") or "(no output)"
+        kind = None
     except Exception as e:  # MemoryError and RecursionError included
-        text, kind = f"Error: {type(e).__name__}" + (f": {e}" if str(e) else ""), "error"
+        text = f"Error: {type(e).__name__}" + (f": {e}" if str(e) else "")
+        kind = "error"
     if len(text) > max_chars:
         text = text[:max_chars] + f"... [truncated, {len(text)} chars in all]"
     return text, kind
@@ -220,9 +218,9 @@ def _worker_main(memory_bytes: int, max_chars: int) -> None:
     channel = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
-        # RLIMIT_CPU counts the worker's whole life, so move the soft limit to "used so far +
-        # budget" before each snippet: SIGXCPU kills us past it even if the parent cannot enforce
-        # its timeout.
+        # RLIMIT_CPU counts the worker's whole life, so before each snippet the soft limit moves
+        # to "used so far + budget": SIGXCPU kills us past it even if the parent cannot enforce its
+        # timeout.
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         soft = int(used + request["cpu_seconds"]) + 1
         if cpu_hard != resource.RLIM_INFINITY:
@@ -267,9 +265,9 @@ class PythonSandbox:
     def run(self, code: str, timeout: float | None = None) -> tuple[str, str | None]:
         """Run `code` -> (text, error kind): kind is None, "refused", "error" or "timeout"."""
         timeout = self.timeout if timeout is None else timeout
+        # refuse early, without a round trip (the worker checks again); the lock because this
+        # parse is in the parent, where threads run tools side by side (parse_python)
         with _PARSE_LOCK:
-            # this parse is in the parent, where threads run tools side by side (parse_python)
-            # refuse early, without a round trip (the worker checks again)
             refusal = check_code(code)
         if refusal is not None:
             return "Error: " + refusal, "refused"
@@ -298,7 +296,9 @@ class PythonSandbox:
     def _ensure_worker(self) -> subprocess.Popen:
         if self._owner_pid != os.getpid():
             # we are a forked copy: forget the parent's worker, don't kill it
-            self._proc, self._pending, self._owner_pid = None, b"", os.getpid()
+            self._proc = None
+            self._pending = b""
+            self._owner_pid = os.getpid()
         if self._proc is None or self._proc.poll() is not None:
             self._kill()
             src = WORKER_SRC + f"\n_worker_main({self.memory_bytes}, {self.max_chars})\n"
@@ -329,7 +329,9 @@ class PythonSandbox:
         return line
 
     def _kill(self) -> None:
-        proc, self._proc, self._pending = self._proc, None, b""
+        proc = self._proc
+        self._proc = None
+        self._pending = b""
         if proc is None or self._owner_pid != os.getpid():
             # a forked copy never kills its parent's worker
             return
@@ -342,4 +344,4 @@ class PythonSandbox:
         proc.stdout.close()
 
 
-SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool; started on first use
+SANDBOX = PythonSandbox()  # the shared worker behind the python_eval tool, started on first use

@@ -3,16 +3,14 @@ start.
 
 No weights can be downloaded on the machines this project is built on, so the default run makes its
 own policy, in four steps, deterministic from `sft.seed`:
-  1. expert demonstrations from the training split of each env in the run (env.demonstration): some
-  call
-     python_eval before finish, some answer directly (`sft.tool_use_prob`);
+  1. expert demonstrations from the training split of each env in the run (env.demonstration):
+     some call python_eval before finish, some answer directly (`sft.tool_use_prob`);
   2. a byte-level BPE tokenizer trained with `tokenizers` on those conversations, with Qwen's chat
-  special
-     tokens and one token per digit. Unlike Qwen's, its pre-tokenizer splits only at digits and
-     newlines, so BPE may merge across spaces: the fixed text of the prompt (the tool list alone is
-     ~200 words) becomes a handful of tokens, and a trajectory ~100 tokens instead of ~300. On a
-     2-core CPU that is the difference between minutes and a quarter of an hour; the chat format
-     itself is unchanged;
+     special tokens and one token per digit. Unlike Qwen's, its pre-tokenizer splits only at digits
+     and newlines, so BPE may merge across spaces: the fixed text of the prompt (the tool list
+     alone is ~200 words) becomes a handful of tokens, and a trajectory ~100 tokens instead of
+     ~300. On a 2-core CPU that is the difference between minutes and a quarter of an hour; the
+     chat format itself is unchanged;
   3. a tiny Qwen2-architecture model (model.init_model);
   4. supervised fine-tuning on the demonstrations (learner.sft_step: loss on assistant tokens only),
      stopped from the held-out curve, not after a fixed count: SFT accuracy jumps abruptly and the
@@ -64,8 +62,7 @@ SPECIAL_TOKENS = [
     "</think>",
 ]
 # Pre-tokens: each digit alone (arithmetic is learned digit by digit), each newline alone, and the
-# runs of anything else between them, which BPE is free to merge whole (see the file docstring, step
-# 2).
+# runs of anything else between them, which BPE is free to merge whole (the file docstring, step 2).
 PRETOKENIZE = r"\p{N}|\n"
 
 
@@ -112,10 +109,9 @@ def tokenize_conversation(
     messages: list[dict], tools: list[dict], tokenizer: Tokenizer, chat_format: str
 ) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a demonstration, cut into spans exactly where the agent loop cuts
-    a
-    rollout: prompt / assistant turn (content + its end token, <|im_end|> or <|eot_id|>, mask 1) /
-    observations + next prompt (mask 0).
-    So SFT trains on the very token sequences the policy will later be asked to produce."""
+    a rollout: prompt / assistant turn (content + its end token, <|im_end|> or <|eot_id|>, mask 1)
+    / observations + next prompt (mask 0). So SFT trains on the very token sequences the policy
+    will later be asked to produce."""
     full = render(messages, tools, chat_format=chat_format)
     bounds = []  # (start, end) character span of each assistant turn
     for i, msg in enumerate(messages):
@@ -133,7 +129,9 @@ def tokenize_conversation(
                 f"chat format {chat_format!r} re-renders earlier turns; cannot cut turn {i}"
             )
         bounds.append((len(before), end))
-    ids, mask, pos = [], [], 0
+    ids = []
+    mask = []
+    pos = 0  # characters of `full` encoded so far
     for start, end in bounds:
         for text, m in ((full[pos:start], 0), (full[start:end], 1)):
             piece = encode(tokenizer, text)
@@ -150,7 +148,8 @@ def tokenize_conversation(
 def default_model_dir(cfg, sft) -> str:
     """Cache folder named by a hash of everything the build depends on (the SFT settings, the envs,
     the chat format and the sampling settings of the early-stopping evals)."""
-    r, settings = cfg.rollout, dataclasses.asdict(sft)
+    r = cfg.rollout
+    settings = dataclasses.asdict(sft)
     if not sft.short_context_steps:  # off: the key a model had before the warm-up existed
         del settings["short_context_steps"], settings["short_context_tokens"]
     key = json.dumps(
@@ -172,8 +171,8 @@ def model_folder(cfg) -> str:
     if cfg.model.path != "default":
         return cfg.model.path
     if is_main():
+        # the other ranks wait at the barrier: no collective, no rank split in the build
         with alone():
-            # the other ranks wait at the barrier: no collective, no rank split in the build
             build_default_model(cfg)
     barrier()
     return build_default_model(cfg)
@@ -183,7 +182,8 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
     """Return the folder of the embedded default model for this config, building it if it is not
     cached. `cfg` is config.Config; only cfg.sft, cfg.envs, cfg.rollout and cfg.model.cache_dir are
     read."""
-    sft, agent_cfg = cfg.sft, cfg.rollout.agent
+    sft = cfg.sft
+    agent_cfg = cfg.rollout.agent
     if agent_cfg.chat_format != "qwen2.5":  # refused before any work, not after the SFT
         raise ValueError(
             f"the embedded default model speaks chat_format 'qwen2.5' (Qwen's chat tokens), not "
@@ -215,8 +215,7 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
             )
     rng.shuffle(demos)
 
-    # --- 2. tokenizer; each demonstration as the rows it trains as (one, or a memory policy's
-    # segments)
+    # --- 2. tokenizer; each demonstration as its training rows (one, or a memory policy's segments)
     texts = [
         render(m, env.tools(), chat_format=agent_cfg.chat_format) for env, _, m in demos[:5000]
     ]
@@ -272,7 +271,7 @@ def build_default_model(cfg, log=lambda msg: print(msg, flush=True)) -> str:
                 params,
                 seed=sft.seed,
             )
-            # every env holds out as many tasks
+            # a plain mean over episodes: every env holds out as many tasks
             accuracy = sum(t.reward for t in trajs) / len(trajs)
             history.append(
                 {
@@ -393,26 +392,31 @@ def write_tokenizer_files(tokenizer: Tokenizer, path: str, chat_format: str) -> 
 # Jinja template of chat.py's "qwen2.5" format, written to tokenizer_config.json ("chat_template")
 # of the default model so that transformers' apply_chat_template gives the same string as
 # chat.render(). It is Qwen2.5's ChatML tool template, with one change borrowed from Qwen3's:
-# arguments given as a JSON string are written as they are (Qwen2.5 would JSON-encode the string a
-# second time).
-QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
+# arguments given as a JSON string are written as they are (Qwen2.5 would JSON-encode the string
+# a second time). Its long lines are cut across raw-string pieces, which Python joins into one.
+QWEN25_CHAT_TEMPLATE = (
+    r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content }}
     {%- else %}
         {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
     {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"""
+    r"""You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
     {%- for tool in tools %}
         {{- "\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and """
+    r"""arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": """
+    r"""<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
 {%- else %}
     {%- if messages[0].role == 'system' %}
         {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
     {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful """
+    r"""assistant.<|im_end|>\n' }}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
@@ -457,3 +461,4 @@ QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
+)

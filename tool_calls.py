@@ -1,12 +1,11 @@
 """tool_calls.py: the tool-call syntax of the Qwen chat formats: its one writer and its parser.
 
-  tool_call_text(call)     one <tool_call>{"name": ..., "arguments": {...}}</tool_call> block, as
-  render() writes it; parse_tool_calls(text)   an assistant message's blocks -> env.ToolCall's;
-  never raises, repairs the JSON mistakes
-                           small models make, says what was wrong, in bounded time;
+  tool_call_text(call)     one <tool_call>{"name": ..., "arguments": {...}}</tool_call> block,
+                           as render() writes it;
+  parse_tool_calls(text)   an assistant message's blocks -> env.ToolCall's, in bounded time; never
+                           raises, repairs the JSON mistakes small models make, says what was wrong;
   split_tool_calls(text)   the same reading, plus the content and the calls of the canonical blocks
-  that end the
-                           message (what chat.parse_assistant_message gives back).
+                           that end the message (what chat.parse_assistant_message gives back).
 The writer and the parser's canonical check share tool_call_text, so a message the parser calls well
 formed renders back to the very text the policy wrote. chat.py renders and dispatches by chat
 format; wings/chat_llama3.py reuses the lenient JSON reader and the bounds for Llama's JSON calls.
@@ -53,18 +52,21 @@ def tool_call_text(tool_call: dict) -> str:
 # missing closing brackets at the end of a block that was closed. A block whose </tool_call> never
 # comes (a generation cut by max_tokens, a forgotten tag) still gives its call when its JSON is
 # complete. Every repair is reported, so the error is None only for a well-formed message.
+#
 # A tag written inside a JSON string of a call (python code that prints "</tool_call>") does not end
-# the
-# block: when the block's first reading (up to the next tag) gives no call and that tag lies inside
-# a double-quoted string (an odd number of unescaped quotes before it), the block runs on to the
-# first tag outside its strings, and that longer reading is kept if it gives a call and no text
+# the block: when the block's first reading (up to the next tag) gives no call and that tag lies
+# inside a double-quoted string (an odd number of unescaped quotes before it), the block runs on to
+# the first tag outside its strings, and that longer reading is kept if it gives a call and no text
 # after its JSON. A block with an unbalanced quote, whose strings never close or whose longer
 # reading fails, keeps its first reading, as before: it cannot swallow the calls after it
-# (_string_aware_end). Several JSON objects in one block ({...}{...}, or one per line) are read as
-# several calls, in order, and
-# reported: the format is one object per <tool_call>. WHY run them rather than refuse them: the
-# model's intent is plain, each object is checked as strictly as a call in its own block, and the
-# env still counts a parse failure, so the policy learns the format without the calls being lost.
+# (_string_aware_end).
+#
+# Several JSON objects in one block ({...}{...}, or one per line) are read as several calls, in
+# order, and reported: the format is one object per <tool_call>. WHY run them rather than refuse
+# them: the model's intent is plain, each object is checked as strictly as a call in its own block,
+# and the env still counts a parse failure, so the policy learns the format without the calls being
+# lost.
+#
 # Bounded time: MAX_PARSE_CHARS of a message are scanned, MAX_BLOCKS blocks and calls read; the
 # (pure Python) repairing reader gets MAX_REPAIR_CHARS and MAX_REPAIR_STEPS per block, and reads
 # string contents in bulk. Every scan is linear: literal tags, and regexes that are single character
@@ -76,7 +78,8 @@ def tool_call_text(tool_call: dict) -> str:
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # characters of a message scanned for tool calls (the rest is kept as text)
 MAX_PARSE_CHARS = 100_000
-MAX_BLOCKS = 16  # <tool_call> blocks read, and calls returned, per message; later ones are reported
+# <tool_call> blocks read, and calls returned, per message (later ones are reported, not read)
+MAX_BLOCKS = 16
 MAX_REPAIR_CHARS = 20_000  # a longer block that is not strict JSON is not repaired
 MAX_REPAIR_STEPS = 1_000  # values, keys and escapes the repairing reader reads per block (a few ms)
 MAX_NAME_CHARS = 64  # a longer tool name is refused
@@ -125,16 +128,18 @@ def _string_aware_end(
     scanned: str, tags: list[tuple[int, int, bool]], i: int, complete: bool
 ) -> int | None:
     """For the block opened by tags[i], whose first segment (up to tags[i + 1] or the end) leaves a
-    JSON string
-    open: the index of the first later tag outside its strings (len(tags): the end of the text), or
-    None when its strings never close (an unbalanced quote) or the tags beyond `tags` were not
-    scanned (complete False)."""
+    JSON string open: the index of the first later tag outside its strings (len(tags): the end of
+    the text), or None when its strings never close (an unbalanced quote) or the tags beyond `tags`
+    were not scanned (complete False)."""
     parity = 1
     for k in range(i + 1, len(tags)):
         if parity == 0:
             return k
-        stop = tags[k + 1][0] if k + 1 < len(tags) else len(scanned) if complete else None
-        if stop is None:
+        if k + 1 < len(tags):
+            stop = tags[k + 1][0]
+        elif complete:
+            stop = len(scanned)
+        else:
             return None
         parity ^= _quote_parity(scanned[tags[k][1] : stop])
     return len(tags) if parity == 0 and complete else None
@@ -147,10 +152,14 @@ def _read_block(
     whole: see _parse_call_body."""
     start, body_start = tags[i][0], tags[i][1]
     if k == len(tags):
-        ending, stop, end = "end", len(scanned), len(scanned)
+        ending = "end"
+        stop = len(scanned)
+        end = len(scanned)
     else:
         ending = "next" if tags[k][2] else "closed"
-        stop, end = tags[k][0], tags[k][0] if tags[k][2] else tags[k][1]
+        stop = tags[k][0]
+        # a </tool_call> is part of the block, a next <tool_call> is not
+        end = tags[k][0] if tags[k][2] else tags[k][1]
     calls, problems = _parse_call_body(
         scanned[body_start:stop], closed=ending == "closed", whole=whole
     )
@@ -179,7 +188,8 @@ def split_tool_calls(text: str) -> _Split:
             break
         tags.append((m.start(), m.end(), m.group() == TOOL_CALL_OPEN))
 
-    blocks, i = [], 0
+    blocks = []
+    i = 0  # the tag read next
     while i < len(tags) and len(blocks) < MAX_BLOCKS:
         start, body_start, is_open = tags[i]
         if not is_open:
@@ -191,8 +201,8 @@ def split_tool_calls(text: str) -> _Split:
         k = i + 1  # the plain reading: the block ends at the next tag
         block = _read_block(scanned, tags, i, k)
         stop = tags[k][0] if k < len(tags) else len(scanned)
+        # no call, and a JSON string left open: the tag that ended the block was inside that string
         if not block.calls and _quote_parity(scanned[body_start:stop]):
-            # that tag was inside a JSON string
             k_str = _string_aware_end(scanned, tags, i, complete)
             if k_str is not None:
                 longer = _read_block(scanned, tags, i, k_str, whole=True)
@@ -220,8 +230,8 @@ def split_tool_calls(text: str) -> _Split:
         f"; and {len(problems) - 8} more problems" if len(problems) > 8 else ""
     )
     content, content_calls = text, []
+    # the longest run of canonical blocks that ends the message as render() would write it
     for k in range(len(canonical)):
-        # the longest run of canonical blocks that render() writes back as text
         run = canonical[k:]
         before = text[: run[0][0]]
         # render() adds that "\n" itself
@@ -238,7 +248,8 @@ def split_tool_calls(text: str) -> _Split:
 def _strict_objects(body: str) -> list[dict] | None:
     """Two to MAX_BLOCKS JSON objects, separated only by whitespace, that fill `body` exactly
     (strict JSON); None when `body` is not that (then the lenient reader has its say)."""
-    objs, i = [], _WS.match(body).end()
+    objs = []
+    i = _WS.match(body).end()
     try:
         while i < len(body) and len(objs) < MAX_BLOCKS and body[i] == "{":
             obj, i = _DECODER.raw_decode(body, i)
@@ -263,7 +274,7 @@ def _parse_call_body(
     try:
         objs = [json.loads(body)]
     except (ValueError, RecursionError) as e:
-        # JSONDecodeError is a ValueError; deep nesting recurses
+        # a JSONDecodeError is a ValueError, and deep nesting recurses
         strict_error = f"invalid JSON in tool call: {e}"
         objs = _strict_objects(body)
         if objs is None and len(body) > MAX_REPAIR_CHARS:
@@ -305,7 +316,8 @@ def call_of(obj) -> tuple[ToolCall | None, str | None, list[str]]:
         return None, "tool call without a name", []
     if len(name) > MAX_NAME_CHARS:
         return None, f"tool name longer than {MAX_NAME_CHARS} characters", []
-    args, repairs = obj["arguments"] if "arguments" in obj else obj.get("args"), []
+    args = obj["arguments"] if "arguments" in obj else obj.get("args")
+    repairs = []
     if args is None:  # a call of a function without parameters
         args = {}
     if isinstance(args, str):  # OpenAI-style arguments: a JSON-encoded string
@@ -506,12 +518,12 @@ class _LenientJSON:
                 code = int(self.s[self.i + 2 : self.i + 6], 16)
                 self.i += 6
                 low = self.s[self.i + 2 : self.i + 6] if self.s.startswith("\\u", self.i) else ""
+                # a surrogate pair: a high \uXXXX escape followed by a low one
                 if (
                     0xD800 <= code < 0xDC00
                     and _HEX4.fullmatch(low)
                     and 0xDC00 <= int(low, 16) < 0xE000
                 ):
-                    # a surrogate pair
                     code = 0x10000 + ((code - 0xD800) << 10) + (int(low, 16) - 0xDC00)
                     self.i += 6
                 parts.append(chr(code))

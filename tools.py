@@ -23,18 +23,18 @@ from sandbox import SANDBOX, parse_python
 
 @dataclass(frozen=True)
 class Tool:
-    """A callable the model can name. `fn(env, state, **arguments) -> (state, text, error_kind |
-    None)`.
+    """A callable the model can name: `fn(env, state, **arguments) -> (state, text, error_kind)`,
+    error_kind None when the call succeeded.
 
     The env is passed so tools can use env resources (a search index, a simulated world); the state
     so a tool can change the episode (finish sets done). Error kinds: "unknown_tool", "bad_args"
     (from dispatch), "refused", "error", "timeout" (from the tool).
     """
 
-    name: str
+    name: str  # what the model calls, and the key in TOOLS
     description: str  # keep it to a few words: the schemas are rendered into every prompt
     parameters: dict  # JSON schema of the arguments object
-    fn: Callable
+    fn: Callable  # fn(env, state, **arguments) -> (state, text, error_kind | None)
     # True: fn returns within env.tool_timeout by itself (it kills its own child process, or cannot
     # block), so Env.run_tool calls it directly, not in a watchdog thread
     bounded: bool = False
@@ -103,13 +103,13 @@ _CALC_OPS = {
 
 
 def calculate(expression: str) -> Fraction:
-    """The exact value of an arithmetic expression: numbers, + - * / // % ** (or ^), unary minus,
-    ().
+    """The exact value of an arithmetic expression of numbers, + - * / // % ** (or ^), unary minus
+    and parentheses.
 
     Its own evaluator over the AST, never Python's eval, with Fractions, so 0.1 + 0.2 is exactly
-    3/10.
-    Bounded: CALC_MAX_CHARS of input, integer exponents, CALC_MAX_BITS per value (checked before a
-    power is computed, so 9**9**9 is refused at once). Raises ValueError or ZeroDivisionError.
+    3/10. Bounded: CALC_MAX_CHARS of input, integer exponents, CALC_MAX_BITS per value (checked
+    before a power is computed, so 9**9**9 is refused at once). Raises ValueError or
+    ZeroDivisionError.
     """
     if len(expression) > CALC_MAX_CHARS:
         raise ValueError(f"expression longer than {CALC_MAX_CHARS} characters")
@@ -142,8 +142,8 @@ def calculate(expression: str) -> Fraction:
             if abs(base) == 1:  # (+-1) ** n without computing n multiplications
                 return base ** (int(exponent) % 2)
             size = max(base.numerator.bit_length(), base.denominator.bit_length())
+            # the result would have more than CALC_MAX_BITS bits
             if (size - 1) * abs(exponent) >= CALC_MAX_BITS:
-                # the result has more than this many bits
                 raise ValueError(f"a value is larger than 2**{CALC_MAX_BITS}")
             # at most size * |exponent| <= 2 * CALC_MAX_BITS bits
             return small(base ** int(exponent))
@@ -259,7 +259,7 @@ def validate_arguments(parameters: dict, arguments) -> tuple[dict | None, str | 
     for key, value in arguments.items():
         kind = properties[key].get("type")
         if kind == "string" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = str(value)  # {"answer": 57} for {"answer": "57"} is a harmless slip; accept it
+            value = str(value)  # {"answer": 57} for {"answer": "57"}: a harmless slip, accepted
         if kind in _JSON_TYPES and not isinstance(value, _JSON_TYPES[kind]):
             return None, f"bad arguments: {key!r} must be a {kind}"
         checked[key] = value
