@@ -156,7 +156,8 @@ class AlgoConfig:
     # distill_coef * (log pi_teacher - log pi) (algos.distillation_advantages)
     teacher_path: str = ""
     distill_coef: float = 1.0  # weight of that teacher term against the task advantage
-    # no update when no group has mixed rewards (all advantages are 0)
+    # no update when every advantage is 0 (with a group baseline: no group whose rewards, after
+    # reward shaping, differ)
     skip_uniform_batches: bool = True
     # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     dynamic_sampling: bool = False

@@ -1,73 +1,59 @@
-"""learner.py: the training side of RL: scoring (log-probs, values), the policy update, SFT,
-checkpoints.
+"""learner.py: the training side of RL: scoring (log-probs, values), the policy update, SFT.
 
 Everything the learner owns lives in one dataclass, `LearnerState` (model, optimizer, optimizer
 step, RNG), that is passed in and a new one returned: `train_step(state, batch, cfg) -> (state,
 metrics)`. The model and the optimizer are torch objects, updated in place; the counters are
 replaced, never mutated. The dataclass makes it explicit *what* the learner's state is, so that a
-checkpoint saves exactly that and a resume restores it.
+checkpoint saves exactly that and a resume restores it (runs.save_checkpoint, runs.load_checkpoint).
 
 How one RL update works (train.py says where the batch and its old log-probs come from):
   1. old log-probs: the batch carries the learner's log-probs before the update (compute_logprobs,
-  no
-     grad). With one optimizer step per batch the PPO ratio is then exactly 1 on the first (only)
-     pass: the loss reduces to the on-policy policy gradient, and clipping acts only from the second
-     mini-batch on. In that case (old_logprobs_needed is False) the extra scoring pass is skipped:
-     the batch says old_from_update and the update takes pi_old = its own log-probs, detached (the
-     same numbers).
-  2. split the batch into `mini_batches` optimizer steps (shuffled with the learner's own RNG),
-  repeated
-     for `ppo_epochs`; each mini-batch is split again into micro-batches whose gradients accumulate.
+     no grad). With one optimizer step per batch the PPO ratio is then exactly 1 on the first
+     (only) pass: the loss reduces to the on-policy policy gradient, and clipping acts only from
+     the second mini-batch on. In that case (old_logprobs_needed is False) the extra scoring pass
+     is skipped: the batch says old_from_update and the update takes pi_old = its own log-probs,
+     detached (the same numbers).
+  2. train_step's loops: `ppo_epochs` passes over the batch, each split into `mini_batches`
+     optimizer steps (rows shuffled with the learner's own RNG), each mini-batch split again into
+     micro-batches whose gradients accumulate before the step.
   3. micro-batch split invariance: each micro-batch's loss is weighted by its share of the global
-     normaliser (its valid tokens for token-mean, its sequences for the sequence-mean modes), so the
-     summed gradient equals the one of the whole mini-batch at once, whatever `micro_batch_size` is.
+     normaliser (its valid tokens for token-mean, its sequences for the sequence-mean modes), so
+     the summed gradient equals the one of the whole mini-batch at once, whatever
+     `micro_batch_size` is.
   4. data parallel (torchrun): every rank holds the same global batch; each mini-batch's rows are
-  split
-     across ranks (sorted by length, rank r takes every world-th row: balanced and deterministic)
-     and FSDP2 sums the ranks' gradients. The weights of point 3 are shares of the *global*
-     mini-batch's normaliser, so 1 process and N processes, with any micro-batch size, give the same
-     gradient.
+     split across ranks (sorted by length, rank r takes every world-th row: balanced and
+     deterministic) and FSDP2 sums the ranks' gradients. The weights of point 3 are shares of the
+     *global* mini-batch's normaliser, so 1 process and N processes, with any micro-batch size,
+     give the same gradient.
   5. shared prompts (shared_prefix): the rows of a group share every token before their first
-  sampled one; a
-     micro-batch keeps a group together and runs that prefix once, each row's continuation attending
-     to its keys and values (model.PrefixKV). The losses and gradients are those of whole rows (to
-     rounding), so points 3 and 4 hold unchanged; micro-batches are capped by rows and by token
-     positions (microbatch.py).
+     sampled one; a micro-batch keeps a group together and runs that prefix once, each row's
+     continuation attending to its keys and values (model.PrefixKV). The losses and gradients are
+     those of whole rows (to rounding), so points 3 and 4 hold unchanged; micro-batches are capped
+     by rows and by token positions (microbatch.py).
 
-Sections: config and state; scoring; the RL update; the critic; SFT; the weights an engine loads;
-checkpoints. LoRA is a wing (wings/lora.py), reached through two hooks: a module's fold_into
-(merged_state_dict) and a model's adapter (save_checkpoint, load_checkpoint). Shapes: B sequences, T
-tokens.
-Imports: model.py (the network, save/load), algos.py (the losses), microbatch.py (which rows run
+Sections: config and state; scoring; the RL update; the critic; SFT; the weights an engine loads.
+LoRA is a wing (wings/lora.py), reached through two hooks: a module's fold_into (merged_state_dict)
+and a model's adapter (runs.save_checkpoint, runs.load_checkpoint). Shapes: B sequences, T tokens,
+m the rows of a micro-batch, L its longest length.
+
+Imports: model.py (the network), algos.py (the losses), microbatch.py (which rows run
 together), distributed.py (torchrun, FSDP2).
 """
 
 import copy
-import glob
-import json
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 import algos
 from distributed import (
-    FULL_STATE,
     all_reduce_,
     full_state_dict,
     get_world_size,
-    is_main,
     is_sharded,
 )
 from microbatch import positions_run, rank_micro_batches, row_lens
-from model import Transformer, save_model
+from model import Transformer
 
 
 # -----------------------------------------------------------------------------
@@ -81,48 +67,49 @@ class LearnerConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: tuple = (0.9, 0.999)  # AdamW betas
     grad_clip: float = 1.0  # clip the global grad norm to this (<= 0: no clipping)
-    micro_batch_size: int = 32  # sequences per forward/backward at most; does not change the result
-    # and token positions run per forward/backward at most (rows x longest, or with shared prefixes
-    # prefixes + continuations; one row at least): rows sorted by length, short ones many to a
-    # micro-batch, long ones few. Bounds activation memory, and is faster than big micro-batches on
-    # a CPU (pages mapped and freed each step). Does not change the result. 0: rows only
+    # sequences per forward/backward at most (the result does not depend on it)
+    micro_batch_size: int = 32
+    # Token positions run per forward/backward at most: rows x longest, or with shared prefixes
+    # prefixes + continuations, one row at least. Rows are sorted by length, short ones many to a
+    # micro-batch, long ones few. It bounds activation memory, and is faster than big micro-batches
+    # on a CPU (pages mapped and freed each step). The result does not depend on it. 0: rows only.
     max_tokens_per_micro_batch: int = 4096
-    # rows that share their first tokens (a group's prompt; in multi-turn every token before the
+    # Rows that share their first tokens (a group's prompt; in multi-turn every token before the
     # first sampled one, and more where samples agree) run them once per micro-batch, each row
-    # attending to them (microbatch.py); same losses and gradients up to float rounding. False:
-    # every row whole
+    # attending to them (microbatch.py): the same losses and gradients up to float rounding.
+    # False: every row whole.
     shared_prefix: bool = True
     mini_batches: int = 1  # optimizer steps per RL batch (PPO mini-batches)
     ppo_epochs: int = 1  # passes over the RL batch
     temperature: float = 1.0  # log-probs are of softmax(logits / temperature), as sampled
-    # tokens (over all rows of a micro-batch) per chunk of the lm_head and log-softmax: bounds the
-    # (tokens, V) fp32 logits block to (this, V)
+    # Tokens (over all rows of a micro-batch) per chunk of the lm_head and the log-softmax: bounds
+    # the (tokens, V) fp32 logits block to (this, V).
     logprob_chunk_size: int = 256
     gradient_checkpointing: bool = False  # recompute decoder layers in backward to save activations
     # algos.policy_loss kind: ppo|dual_clip|dapo|gspo|gspo_token|sapo|cispo|gmpo
     policy_loss: str = "ppo"
-    # clip ranges, aggregation
+    # the policy loss's clip ranges and aggregation
     loss: algos.PolicyLossConfig = field(default_factory=algos.PolicyLossConfig)
     kl_coef: float = 0.0  # weight of the KL(policy || reference) term in the loss (0: off)
     kl_kind: str = "k3"  # estimator for that term: k1|k2|k3
     entropy_coef: float = 0.0  # weight of an entropy bonus (0: entropy is only logged)
-    # correction for samples from the engine's policy mu, not pi_old (algos.off_policy_weights):
-    # kind none|tis|mis, level token|sequence, tis_cap, mis_low/mis_high; each token's loss is
-    # weighted by it. none (default): no weight, the mismatch is only measured;
-    # rollout.async_rollouts needs tis or mis
+    # The correction for samples from the engine's policy mu, not pi_old
+    # (algos.off_policy_weights): kind none|tis|mis, level token|sequence, tis_cap,
+    # mis_low/mis_high; each token's loss is weighted by it. none (the default): no weight, the
+    # mismatch is only measured. rollout.async_rollouts needs tis or mis.
     off_policy: algos.OffPolicyConfig = field(default_factory=algos.OffPolicyConfig)
-    # under torchrun on GPUs: bf16 params/compute, fp32 gradient reduction (FSDP2
-    # MixedPrecisionPolicy); ignored on CPU and in one process
+    # Under torchrun on GPUs: bf16 parameters and compute, fp32 gradient reduction (FSDP2's
+    # MixedPrecisionPolicy). Ignored on CPU and in one process.
     mixed_precision: bool = True
     # fp32 | bf16: the decoder's matmuls and attention in bf16 (autocast), with fp32 weights,
-    # optimizer, residual stream, head and log-softmax; the torch engine samples the same way. CPU:
-    # needs avx512_bf16 or AMX (refused without). fp32 reproduces bit for bit; bf16 is ~1.5-2x
-    # faster
+    # optimizer, residual stream, head and log-softmax; the torch engine samples the same way. A
+    # CPU needs avx512_bf16 or AMX (refused without). fp32 reproduces bit for bit; bf16 is ~1.5-2x
+    # faster.
     precision: str = "fp32"
     lora_rank: int = 0  # LoRA rank r (0: off, every parameter trains)
     lora_alpha: float = 16.0  # LoRA scaling is lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the input of the adapter path (training only)
-    # wrapped linears
+    # the linear layers LoRA wraps
     lora_targets: tuple = (
         "q_proj",
         "k_proj",
@@ -138,11 +125,12 @@ class LearnerConfig:
 class LearnerState:
     model: torch.nn.Module  # the policy (a Transformer) or a Critic, updated in place
     optimizer: torch.optim.Optimizer  # AdamW over model's trainable parameters
-    # optimizer steps taken so far: the learning-rate schedule's clock (an RL step takes
-    # mini_batches x ppo_epochs of them; the loop counts RL steps)
+    # Optimizer steps taken so far: the learning-rate schedule's clock. An RL step takes
+    # mini_batches x ppo_epochs of them; the loop counts RL steps.
     optimizer_step: int = 0
-    rng: torch.Generator = None  # shuffles mini-batches; saved and restored with checkpoints
-    # frozen reference policy for the KL term (None when kl_coef == 0)
+    # shuffles mini-batches, and is saved and restored with checkpoints
+    rng: torch.Generator = None
+    # the frozen reference policy of the KL term (None when kl_coef == 0)
     ref_model: Transformer | None = None
 
 
@@ -154,18 +142,18 @@ class TrainBatch:
     # (B, T) pi_old, the ratio's denominator: the learner's log-probs of the batch before this
     # update (compute_logprobs), unless old_from_update
     old_logprobs: torch.Tensor | None = None
-    # (B, T) the log-probs of the engine that sampled the tokens (the behaviour policy); for
-    # cfg.off_policy (its weights and metrics)
+    # (B, T) the log-probs of the engine that sampled the tokens (the behaviour policy), for
+    # cfg.off_policy's weights and metrics
     engine_logprobs: torch.Tensor | None = None
-    # (B, T) the frozen reference policy's log-probs; used only when cfg.kl_coef > 0 (the KL term of
-    # the loss)
+    # (B, T) the frozen reference policy's log-probs, used only when cfg.kl_coef > 0 (the KL term
+    # of the loss)
     ref_logprobs: torch.Tensor | None = None
-    # no old_logprobs: the update is exactly on-policy (old_logprobs_needed is False) and takes
-    # pi_old = its own log-probs, detached
+    # No old_logprobs: the update is exactly on-policy (old_logprobs_needed is False) and takes
+    # pi_old = its own log-probs, detached.
     old_from_update: bool = False
-    # (B, T) long, the size of the top-k / top-p set each token was sampled from (0: whole
-    # vocabulary; None: no truncation); the policy's log-probs are then of that truncated
-    # distribution (truncated_score)
+    # (B, T) long, the size of the top-k / top-p set each token was sampled from (0: the whole
+    # vocabulary; None: no truncation). The policy's log-probs are then of that truncated
+    # distribution (truncated_score).
     kept_sizes: torch.Tensor | None = None
 
 
@@ -357,12 +345,29 @@ def compute_logprobs(
 
 
 def _share(mask_mb: torch.Tensor, mask_all: torch.Tensor, agg_mode: str) -> float:
-    """This micro-batch's share of the mini-batch's loss normaliser (see the file docstring, point
+    """This micro-batch's share of the mini-batch's loss normaliser (the file docstring, point
     3)."""
-    if agg_mode == "token-mean":  # in fp64: the shares of a split sum to 1 to fp64 rounding
+    if agg_mode == "token-mean":
+        # in fp64: the shares of a split sum to 1 to fp64 rounding
         return float(mask_mb.double().sum() / mask_all.double().sum().clamp(min=1))
     # the seq-mean-* modes divide by the number of sequences
     return mask_mb.shape[0] / mask_all.shape[0]
+
+
+def _sync_gradients(model: torch.nn.Module, last: bool) -> None:
+    """Sharded (FSDP2): reduce-scatter the gradients once, after the last micro-batch of a step."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(last)
+
+
+def _sum_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Each rank's metric sums, summed over ranks (every rank has the same keys, dummies
+    included)."""
+    if get_world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    total = all_reduce_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
+    return dict(zip(keys, total.tolist()))
 
 
 def _optimizer_step(state: LearnerState, cfg: LearnerConfig, opt_step: int) -> dict:
@@ -372,7 +377,8 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig, opt_step: int) -> d
     params = [p for p in state.model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(grad_norm, "full_tensor"):  # sharded: a DTensor; the norm is of the full gradient
+    if hasattr(grad_norm, "full_tensor"):
+        # sharded: a DTensor; the norm is of the full gradient
         grad_norm = grad_norm.full_tensor()
     lr = lr_at(opt_step, cfg)
     skipped = not torch.isfinite(grad_norm)
@@ -384,197 +390,196 @@ def _optimizer_step(state: LearnerState, cfg: LearnerConfig, opt_step: int) -> d
     return {"grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(skipped)}
 
 
-def _accumulate(
-    state: LearnerState,
-    cfg: LearnerConfig,
-    mask: torch.Tensor,
-    micro_loss,
-    opt_step: int,
-    input_ids: torch.Tensor | None = None,
-) -> dict:
-    """Run `micro_loss(idx, L, shared) -> (weighted loss, metrics)` over this rank's micro-batches
-    of rows (index tensors into `mask`'s rows, grouped by length; L = the micro-batch's longest used
-    length; shared: its SharedPrefix or None), backprop each, then take optimizer step number
-    `opt_step`. input_ids (the rows' tokens) with cfg.shared_prefix: rows that share a prompt run it
-    once. Metrics come back weighted the same way as the loss, summed over ranks, plus `tokens_used`
-    and `tokens_computed` (positions_run). The model and the optimizer are updated in place (they
-    are torch objects); the caller returns the state with its step counter advanced."""
-    state.model.train()
-    metrics: dict[str, float] = {}
-    lens = row_lens(mask)
-    share = (input_ids, mask) if cfg.shared_prefix and input_ids is not None else None
-    plan = rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, share)
-    used = computed = 0
-    for i, (idx, dummy, shared) in enumerate(plan):
-        if is_sharded(state.model):  # reduce-scatter gradients once, after the last micro-batch
-            state.model.set_requires_gradient_sync(i == len(plan) - 1)
-        L = int(lens[idx].max())
-        if not dummy:
-            u, c = positions_run(lens[idx], shared)
-            used, computed = used + u, computed + c
-        loss, m = micro_loss(idx, L, shared)
-        if dummy:  # only here to join the collectives: contributes exactly 0
-            loss, m = loss * 0.0, {k: 0.0 for k in m}
-        if loss.requires_grad:  # a micro-batch with no trained token contributes nothing
-            loss.backward()
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + float(v)
-    metrics.update(tokens_used=used, tokens_computed=computed)
-    if get_world_size() > 1:  # every rank has the same keys (dummies included)
-        keys = sorted(metrics)
-        total = all_reduce_(torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
-        metrics = dict(zip(keys, total.tolist()))
-    metrics.update(_optimizer_step(state, cfg, opt_step))
-    return metrics
-
-
 # -----------------------------------------------------------------------------
 # the RL update
 
 
-def _run_schedule(
-    state: LearnerState,
+def micro_batch_loss(
+    model: Transformer,
+    batch: TrainBatch,
+    tis: torch.Tensor | None,
+    rows: torch.Tensor,
+    L: int,
+    shared,
     cfg: LearnerConfig,
-    mask: torch.Tensor,
-    micro_loss_of,
-    input_ids: torch.Tensor | None = None,
-) -> tuple:
-    """The update's schedule, train_step's and critic_step's: ppo_epochs passes over the batch, each
-    split into mini_batches optimizer steps (rows shuffled with state.rng when mini_batches > 1).
-    micro_loss_of(rows, mb_mask) gives the micro_loss(idx, L, shared) of a mini-batch (idx indexes
-    its rows). mask (B, T) -> (the next optimizer step, the metrics summed over the optimizer steps,
-    their number). input_ids (B, T): the tokens, for shared prefixes (train_step's; the critic runs
-    every row whole)."""
-    B = mask.shape[0]
+) -> tuple[torch.Tensor, dict]:
+    """The loss of one micro-batch: `rows` of the batch, their first L positions (past L: padding),
+    `shared` their SharedPrefix or None. The clipped policy loss (algos.policy_loss) of the tokens
+    the policy sampled, less the entropy bonus, plus the KL to the reference -> (loss, metrics),
+    unweighted: the caller weights both by the micro-batch's share of the mini-batch."""
+    dev = _device(model)
+    # the micro-batch's slices of the batch, each (m, L)
+    ids = batch.input_ids[rows, :L].to(dev)
+    mask = batch.loss_mask[rows, :L].float().to(dev)
+    # Only the trained tokens are scored, and the entropy has autograd only when it is in the loss.
+    # A top-k / top-p sample is scored under the truncated distribution it was drawn from.
+    trunc = {}
+    if batch.kept_sizes is not None:
+        trunc = dict(score=truncated_score, score_args=batch.kept_sizes[rows, :L].to(dev))
+    logp, ent = model.token_logprobs(
+        ids,
+        temperature=cfg.temperature,
+        chunk_size=cfg.logprob_chunk_size,
+        return_entropy=True,
+        mask=mask,
+        entropy_grad=cfg.entropy_coef > 0,
+        shared=shared,
+        **trunc,
+    )  # (m, L) x2
+    # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
+    if batch.old_logprobs is None:
+        old = logp.detach()
+    else:
+        old = batch.old_logprobs[rows, :L].to(dev)
+    advantages = batch.advantages[rows, :L].to(dev)
+    weights = None if tis is None else tis[rows, :L].to(dev)  # the off-policy weights
+    loss, metrics = algos.policy_loss(
+        cfg.policy_loss, logp, old, advantages, mask, cfg.loss, weights
+    )
+    entropy = algos.aggregate(ent, mask, cfg.loss.agg_mode, cfg.loss.agg_norm)
+    metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * entropy
+    if cfg.kl_coef > 0:
+        ref = batch.ref_logprobs[rows, :L].to(dev)
+        token_kl = algos.kl_penalty(logp, ref, cfg.kl_kind)
+        kl = algos.aggregate(token_kl, mask, cfg.loss.agg_mode, cfg.loss.agg_norm)
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl"] = kl.detach()
+    return loss, metrics
+
+
+def train_step(
+    state: LearnerState,
+    batch: "TrainBatch | ValueBatch",
+    cfg: LearnerConfig,
+    value_clip: float = 0.0,
+) -> tuple[LearnerState, dict]:
+    """One RL update -> (the state after it, metrics). On a TrainBatch, the policy's: the loss of
+    micro_batch_loss, metrics 'train/...'. batch.old_logprobs is required (the caller scored the
+    batch before any update: train.compute_advantages), unless batch.old_from_update and the update
+    is exactly on-policy (old_logprobs_needed(cfg) is False); batch.ref_logprobs too when
+    cfg.kl_coef > 0. On a ValueBatch, PPO's critic's (critic_step): the clipped value loss, rows
+    whole, token-mean, metrics 'critic/...'.
+
+    ppo_epochs passes over the batch; each pass is mini_batches optimizer steps (rows shuffled with
+    the state's RNG when there are several); each step sums the gradients of its micro-batches,
+    each weighted by its share of the mini-batch's loss normaliser (the file docstring, point 3).
+    Metrics are means over the optimizer steps."""
+    policy = isinstance(batch, TrainBatch)
+    model = state.model
+    mask = batch.loss_mask.float()  # (B, T)
+    tis = None
+    tis_metrics = {}
+    agg_mode = "token-mean"
+    if policy:
+        _check_train_batch(batch, cfg)
+        tis, tis_metrics = _off_policy_weights(batch, mask, cfg)  # (B, T) or None
+        agg_mode = cfg.loss.agg_mode
     sums: dict[str, float] = {}
-    n_updates, opt_step = 0, state.optimizer_step
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=state.rng) if cfg.mini_batches > 1 else torch.arange(B)
+    n_updates = 0
+    opt_step = state.optimizer_step
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        if cfg.mini_batches > 1:
+            order = torch.randperm(len(mask), generator=state.rng)
+        else:
+            order = torch.arange(len(mask))
         for rows in order.chunk(cfg.mini_batches):
-            mb_mask = mask[rows]  # (b, T)
-            step_metrics = _accumulate(
-                state,
-                cfg,
-                mb_mask,
-                micro_loss_of(rows, mb_mask),
-                opt_step,
-                None if input_ids is None else input_ids[rows],
+            mb_mask = mask[rows]  # (b, T) the mini-batch's b rows
+            lens = row_lens(mb_mask)
+            # the policy's rows that share a prompt run it once; the critic runs every row whole
+            share = (batch.input_ids[rows], mb_mask) if policy and cfg.shared_prefix else None
+            # this rank's micro-batches: index tensors into `rows`, grouped by length
+            plan = rank_micro_batches(
+                lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, share
             )
+            step_metrics: dict[str, float] = {}
+            used = 0
+            computed = 0
+            for i, (idx, dummy, shared) in enumerate(plan):
+                _sync_gradients(model, last=i == len(plan) - 1)
+                L = int(lens[idx].max())
+                if policy:
+                    loss, m = micro_batch_loss(model, batch, tis, rows[idx], L, shared, cfg)
+                else:
+                    loss, m = value_micro_batch_loss(model, batch, rows[idx], L, value_clip)
+                w = _share(mask[rows[idx], :L], mb_mask, agg_mode)
+                loss = loss * w
+                m = {k: float(v) * w for k, v in m.items()}
+                if dummy:
+                    # only here to join the collectives: contributes exactly 0
+                    loss = loss * 0.0
+                    m = {k: 0.0 for k in m}
+                else:
+                    u, c = positions_run(lens[idx], shared)
+                    used += u
+                    computed += c
+                if loss.requires_grad:  # a micro-batch with no trained token adds nothing
+                    loss.backward()
+                for k, v in m.items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v
+            step_metrics.update(tokens_used=used, tokens_computed=computed)
+            step_metrics = _sum_over_ranks(step_metrics)
+            step_metrics.update(_optimizer_step(state, cfg, opt_step))
             opt_step += 1
             n_updates += 1
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
-    return opt_step, sums, n_updates
+    state = replace(state, optimizer_step=opt_step)
+    used = sums.pop("tokens_used")
+    computed = sums.pop("tokens_computed")
+    if not policy:
+        return state, {f"critic/{k}": v / n_updates for k, v in sums.items()}
+    metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}
+    # the update's work spent on padding
+    metrics["perf/pad_fraction"] = 1.0 - used / max(computed, 1)
+    # of the whole batch
+    metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})
+    metrics["train/updates"] = n_updates
+    return state, metrics
 
 
-def train_step(
-    state: LearnerState, batch: TrainBatch, cfg: LearnerConfig
-) -> tuple[LearnerState, dict]:
-    """One RL update on a batch of trajectories -> (the state after it, metrics namespaced
-    'train/...'). batch.old_logprobs is required (the caller scored the batch before any update:
-    train.compute_advantages), unless batch.old_from_update and the update is exactly on-policy
-    (old_logprobs_needed(cfg) is False); batch.ref_logprobs too when cfg.kl_coef > 0."""
-    model = state.model
-    dev = _device(model)
-    mask = batch.loss_mask.float()  # (B, T)
-    old = batch.old_logprobs
-    if old is None and not batch.old_from_update:
+def _check_train_batch(batch: TrainBatch, cfg: LearnerConfig) -> None:
+    """Refuse a batch that lacks what the update needs, before any work."""
+    if batch.old_logprobs is None and not batch.old_from_update:
         raise ValueError(
             "train_step needs batch.old_logprobs: score the batch first (compute_logprobs)"
         )
-    if old is None and old_logprobs_needed(cfg):
+    if batch.old_logprobs is None and old_logprobs_needed(cfg):
         raise ValueError(
             "batch.old_from_update holds only for an exactly on-policy update (one mini-batch, one "
             "epoch, no off-policy correction, no dropout): score the batch first (compute_logprobs)"
         )
-    tis, tis_metrics = None, {}  # off-policy weights (B, T) over the whole batch: a sequence's
-    if batch.engine_logprobs is not None and old is not None:
-        # weight needs all its tokens, whatever the micro-batches
-        tis, tis_metrics = algos.off_policy_weights(
-            old, batch.engine_logprobs.to(old.device), mask.to(old.device), cfg.off_policy
-        )
-        if cfg.off_policy.kind == "none":
-            # measured only: the loss untouched, the mismatch KL logged
-            tis, tis_metrics = (
-                None,
-                {k: v for k, v in tis_metrics.items() if k.startswith("mismatch_kl")},
-            )
-    elif cfg.off_policy.kind != "none" and batch.engine_logprobs is None:
+    if cfg.off_policy.kind != "none" and batch.engine_logprobs is None:
         raise ValueError(
             f"learner.off_policy.kind={cfg.off_policy.kind} needs the engine's log-probs "
             "(TrainBatch.engine_logprobs)"
         )
-    set_sizes = batch.kept_sizes  # (B, T) top-k / top-p set sizes
-    if set_sizes is not None and bool((set_sizes < 0).any()):
+    if batch.kept_sizes is not None and bool((batch.kept_sizes < 0).any()):
         raise ValueError(
             "batch.kept_sizes has -1 (sets not reported by the engine): infer_kept_sizes first"
         )
-    ref = batch.ref_logprobs
-    if cfg.kl_coef > 0 and ref is None:
+    if cfg.kl_coef > 0 and batch.ref_logprobs is None:
         raise ValueError(
             "learner.kl_coef > 0 needs the reference policy's log-probs (TrainBatch.ref_logprobs)"
         )
 
-    def micro_loss_of(rows: torch.Tensor, mb_mask: torch.Tensor):
-        def micro_loss(idx, L, shared):
-            r = rows[idx]
-            # (m, L) past L: padding
-            ids, row_mask = batch.input_ids[r, :L].to(dev), mask[r, :L].to(dev)
-            # only the trained tokens are scored; the entropy has autograd only when it is in the
-            # loss; a top-k / top-p sample is scored under the truncated distribution it was drawn
-            # from (truncated_score)
-            trunc = (
-                {}
-                if set_sizes is None
-                else dict(score=truncated_score, score_args=set_sizes[r, :L].to(dev))
-            )
-            logp, ent = model.token_logprobs(
-                ids,
-                temperature=cfg.temperature,
-                chunk_size=cfg.logprob_chunk_size,
-                return_entropy=True,
-                mask=row_mask,
-                entropy_grad=cfg.entropy_coef > 0,
-                shared=shared,
-                **trunc,
-            )
-            # on-policy (old_from_update): pi_old is these very log-probs, before any optimizer step
-            old_mb = logp.detach() if old is None else old[r, :L].to(dev)  # (m, L)
-            loss, metrics = algos.policy_loss(
-                cfg.policy_loss,
-                logp,
-                old_mb,
-                batch.advantages[r, :L].to(dev),
-                row_mask,
-                cfg.loss,
-                None if tis is None else tis[r, :L].to(dev),
-            )
-            entropy = algos.aggregate(ent, row_mask, cfg.loss.agg_mode, cfg.loss.agg_norm)
-            metrics = {**metrics, "pg_loss": loss.detach(), "entropy": entropy.detach()}
-            if cfg.entropy_coef:
-                loss = loss - cfg.entropy_coef * entropy
-            if cfg.kl_coef > 0:
-                kl = algos.aggregate(
-                    algos.kl_penalty(logp, ref[r, :L].to(dev), cfg.kl_kind),
-                    row_mask,
-                    cfg.loss.agg_mode,
-                    cfg.loss.agg_norm,
-                )
-                loss = loss + cfg.kl_coef * kl
-                metrics["kl"] = kl.detach()
-            w = _share(row_mask.cpu(), mb_mask, cfg.loss.agg_mode)
-            return loss * w, {k: float(v) * w for k, v in metrics.items()}
 
-        return micro_loss
-
-    opt_step, sums, n_updates = _run_schedule(state, cfg, mask, micro_loss_of, batch.input_ids)
-    used, computed = sums.pop("tokens_used"), sums.pop("tokens_computed")
-    metrics = {f"train/{k}": v / n_updates for k, v in sums.items()}  # mean over optimizer steps
-    # the update's work spent on padding
-    metrics["perf/pad_fraction"] = 1.0 - used / max(computed, 1)
-    metrics.update({f"train/{k}": float(v) for k, v in tis_metrics.items()})  # of the whole batch
-    metrics["train/updates"] = n_updates
-    return replace(state, optimizer_step=opt_step), metrics
+def _off_policy_weights(
+    batch: TrainBatch, mask: torch.Tensor, cfg: LearnerConfig
+) -> tuple[torch.Tensor | None, dict]:
+    """The off-policy weights (B, T) of the whole batch (a sequence's weight needs all its tokens,
+    whatever the micro-batches) and their metrics; None when the loss takes no weight. With
+    off_policy.kind=none the mismatch is measured only: the mismatch KL is logged."""
+    old = batch.old_logprobs
+    if batch.engine_logprobs is None or old is None:
+        return None, {}
+    engine = batch.engine_logprobs.to(old.device)
+    tis, metrics = algos.off_policy_weights(old, engine, mask.to(old.device), cfg.off_policy)
+    if cfg.off_policy.kind == "none":
+        return None, {k: v for k, v in metrics.items() if k.startswith("mismatch_kl")}
+    return tis, metrics
 
 
 # -----------------------------------------------------------------------------
@@ -627,42 +632,29 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, micro_batch_size: in
     return all_reduce_(out)
 
 
+def value_micro_batch_loss(
+    model: "Critic", batch: "ValueBatch", rows: torch.Tensor, L: int, value_clip: float
+) -> tuple[torch.Tensor, dict]:
+    """The critic's loss of one micro-batch: the clipped value loss (algos.value_loss) of `rows`,
+    their first L positions, token-mean -> (loss, metrics), unweighted."""
+    dev = _device(model)
+    # each (m, L)
+    values = model(batch.input_ids[rows, :L].to(dev))
+    old_values = batch.old_values[rows, :L].to(dev)
+    returns = batch.returns[rows, :L].to(dev)
+    mask = batch.loss_mask[rows, :L].float().to(dev)
+    loss, metrics = algos.value_loss(values, old_values, returns, mask, value_clip)
+    return loss, {"value_loss": loss.detach(), **metrics}
+
+
 def critic_step(
     state: LearnerState, batch: ValueBatch, cfg: LearnerConfig, value_clip: float
 ) -> tuple[LearnerState, dict]:
-    """The clipped value loss (algos.value_loss), token-mean, on train_step's schedule: ppo_epochs
-    passes of mini_batches optimizer steps (rows shuffled with the critic's own RNG when
-    mini_batches > 1). The first step's values are the old ones, so the clip binds only from the
-    second step on: value_clip bounds how far each later step moves a value from old_values. Metrics
-    are means over the optimizer steps."""
-    mask = batch.loss_mask.float()  # (B, T)
-    dev = _device(state.model)
-
-    def micro_loss_of(rows: torch.Tensor, mb_mask: torch.Tensor):
-        def micro_loss(idx, L, _):  # every row whole (no input_ids given: no shared prefixes)
-            r = rows[idx]
-            v = state.model(batch.input_ids[r, :L].to(dev))  # (m, L)
-            loss, vf = algos.value_loss(
-                v,
-                batch.old_values[r, :L].to(dev),
-                batch.returns[r, :L].to(dev),
-                mask[r, :L].to(dev),
-                value_clip,
-            )
-            w = _share(mask[r, :L], mb_mask, "token-mean")
-            return loss * w, {
-                "value_loss": float(loss.detach()) * w,
-                **{k: float(x) * w for k, x in vf.items()},
-            }
-
-        return micro_loss
-
-    opt_step, sums, n_updates = _run_schedule(state, cfg, mask, micro_loss_of)
-    # train_step's pad fraction logs those
-    sums = {k: v for k, v in sums.items() if not k.startswith("tokens_")}
-    return replace(state, optimizer_step=opt_step), {
-        f"critic/{k}": v / n_updates for k, v in sums.items()
-    }
+    """PPO's critic update, on train_step's schedule: ppo_epochs passes of mini_batches optimizer
+    steps (rows shuffled with the critic's own RNG when mini_batches > 1). The first step's values
+    are the old ones, so the clip binds only from the second step on: value_clip bounds how far each
+    later step moves a value from old_values. Metrics 'critic/...', means over the steps."""
+    return train_step(state, batch, cfg, value_clip)
 
 
 # -----------------------------------------------------------------------------
@@ -673,24 +665,36 @@ def sft_step(
     state: LearnerState, input_ids: torch.Tensor, loss_mask: torch.Tensor, cfg: LearnerConfig
 ) -> tuple[LearnerState, dict]:
     """One optimizer step of next-token cross-entropy on the tokens where loss_mask is 1 (assistant
-    tokens). Token-mean over the whole batch, accumulated over micro-batches like train_step."""
-    mask = loss_mask.float()  # (B, T)
+    tokens). Token-mean over the whole batch, accumulated over micro-batches of whole rows like
+    train_step's (demonstrations rarely share a prompt)."""
     model = state.model
     dev = _device(model)
-
-    def micro_loss(idx, L, _):  # every row whole: demonstrations rarely share a prompt
-        ids, row_mask = input_ids[idx, :L].to(dev), mask[idx, :L]
-        # (m, L)
-        logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size, mask=row_mask.to(dev))
-        nll = algos.aggregate(-logp, row_mask.to(dev), "token-mean")
-        w = _share(row_mask, mask, "token-mean")
-        return nll * w, {"loss": float(nll.detach()) * w}
-
-    step_metrics = _accumulate(state, cfg, mask, micro_loss, state.optimizer_step)
-    step_metrics = {k: v for k, v in step_metrics.items() if not k.startswith("tokens_")}
-    return replace(state, optimizer_step=state.optimizer_step + 1), {
-        f"sft/{k}": v for k, v in step_metrics.items()
-    }
+    mask = loss_mask.float()  # (B, T)
+    lens = row_lens(mask)
+    plan = rank_micro_batches(lens, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    metrics: dict[str, float] = {}
+    model.train()
+    for i, (idx, dummy, _) in enumerate(plan):
+        _sync_gradients(model, last=i == len(plan) - 1)
+        L = int(lens[idx].max())
+        ids = input_ids[idx, :L].to(dev)
+        row_mask = mask[idx, :L].to(dev)
+        logp = model.token_logprobs(ids, chunk_size=cfg.logprob_chunk_size, mask=row_mask)
+        nll = algos.aggregate(-logp, row_mask, "token-mean")
+        w = _share(mask[idx, :L], mask, "token-mean")
+        loss = nll * w
+        loss_metric = float(nll.detach()) * w
+        if dummy:
+            # only here to join the collectives: contributes exactly 0
+            loss = loss * 0.0
+            loss_metric = 0.0
+        if loss.requires_grad:
+            loss.backward()
+        metrics["loss"] = metrics.get("loss", 0.0) + loss_metric
+    metrics = _sum_over_ranks(metrics)
+    metrics.update(_optimizer_step(state, cfg, state.optimizer_step))
+    step = state.optimizer_step + 1
+    return replace(state, optimizer_step=step), {f"sft/{k}": v for k, v in metrics.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -710,120 +714,3 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, m in adapters:
         m.fold_into(sd, name)
     return sd
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: weights in Hugging Face layout + optimizer, optimizer step and RNG state beside them
-
-
-def save_checkpoint(
-    state: LearnerState, path: str, extra: dict | None = None, base_model: str = ""
-) -> None:
-    """Write `path/` as a loadable HF folder (config.json, model.safetensors) plus
-    `trainer_state.pt` (optimizer, optimizer step, RNG states) and `trainer_state.json` (that step
-    and `extra`, human-readable). A LoRA model writes only its adapter (save_adapter: PEFT names;
-    `base_model` goes into adapter_config.json).
-    Sharded: every rank calls it (weights and optimizer state are gathered), rank 0 writes. The
-    optimizer state is keyed by parameter name, so a checkpoint resumes under any number of
-    processes."""
-    model = state.model
-    # a wing's adapters (lora.py): only they train, only they are saved
-    adapter = getattr(model, "adapter", None)
-    if adapter is not None:
-        adapter.save(model, path, base_model)
-        sd = {}
-    else:
-        sd = full_state_dict(model)
-    optim = get_optimizer_state_dict(model, state.optimizer, options=FULL_STATE)
-    if not is_main():
-        return
-    os.makedirs(path, exist_ok=True)
-    if sd and isinstance(model, Transformer):
-        # Hugging Face layout: loadable by any engine. save_model reads a module: a sharded one is
-        # not one
-        save_model(_plain_model(model.cfg, sd) if is_sharded(model) else model, path)
-    elif sd:
-        save_file(
-            {k: v.detach().clone() for k, v in sd.items()},  # clone: tied weights
-            os.path.join(path, "model.safetensors"),
-        )
-    torch.save(
-        {
-            "optimizer": optim,
-            "optimizer_step": state.optimizer_step,
-            "rng": state.rng.get_state(),
-            "torch_rng": torch.get_rng_state(),
-        },
-        os.path.join(path, "trainer_state.pt"),
-    )
-    with open(os.path.join(path, "trainer_state.json"), "w") as f:
-        json.dump({"optimizer_step": state.optimizer_step, **(extra or {})}, f, indent=2)
-
-
-def _plain_model(cfg, sd: dict) -> Transformer:
-    """An unsharded Transformer holding the tensors of `sd` (no copy)."""
-    with torch.device("meta"):
-        plain = Transformer(cfg)
-    plain.load_state_dict(sd, strict=False, assign=True)
-    plain.tie_weights()
-    return plain
-
-
-def save_merged(model: Transformer, path: str) -> None:
-    """A Hugging Face folder (config.json, model.safetensors) of merged_state_dict(model): a LoRA
-    run's weights as a plain model that eval.py, transformers or vLLM load. Every rank calls it,
-    rank 0 writes."""
-    sd = merged_state_dict(model)
-    if is_main():
-        save_model(_plain_model(model.cfg, {k: v.detach().cpu() for k, v in sd.items()}), path)
-
-
-def _tied(model) -> bool:
-    m = model if isinstance(model, Transformer) else model.backbone
-    return m.cfg.tie_word_embeddings
-
-
-def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
-    """Restore weights (or a LoRA model's adapters), optimizer, optimizer step and RNG from `path`
-    into `state` (built the same way as when saved, with any number of processes). Every rank reads
-    the files."""
-    adapter = getattr(state.model, "adapter", None)
-    if adapter is not None:
-        adapter.load(state.model, path)
-    else:
-        sd = {}
-        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            sd.update(load_file(f))
-        expected = set(state.model.state_dict())
-        missing = [
-            k
-            for k in expected - set(sd)
-            if not (k.endswith("lm_head.weight") and _tied(state.model))
-        ]
-        unexpected = sorted(set(sd) - expected)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {path}: missing {sorted(missing)[:5]}, unexpected {unexpected[:5]}"
-            )
-        if is_sharded(state.model):  # each rank keeps its shard of the full tensors
-            set_model_state_dict(
-                state.model, sd, options=StateDictOptions(full_state_dict=True, strict=False)
-            )
-        else:
-            state.model.load_state_dict(sd, strict=False)
-    ts = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    set_optimizer_state_dict(
-        state.model,
-        state.optimizer,
-        ts["optimizer"],
-        options=StateDictOptions(full_state_dict=True),
-    )
-    for group in state.optimizer.param_groups:
-        # the loader hands tuples (AdamW's betas) back as lists: the same
-        # as saved
-        group.update(
-            {k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)}
-        )
-    state.rng.set_state(ts["rng"])
-    torch.set_rng_state(ts["torch_rng"])
-    return replace(state, optimizer_step=ts["optimizer_step"])

@@ -22,11 +22,13 @@ Nothing is lost when a run is killed (preemption, OOM, Ctrl-C, SIGKILL) at any m
   - on resume the logs are cut back to the checkpoint: metrics.jsonl keeps the records up to its
     step and the episode dumps after it are removed, so the logs always match the weights (and
     wandb resumes the same run).
-Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks. At the
-end of the file: the perf metrics of a step (PerfMeter): perf/mfu over the device's peak FLOP/s,
+Rank 0 alone writes; every rank joins a checkpoint, whose weights are gathered across ranks. A
+checkpoint holds the learner's state (save_checkpoint: the weights in Hugging Face layout, the
+optimizer, its step and the RNGs), and load_checkpoint restores it exactly. At the end of the file:
+the perf metrics of a step (PerfMeter): perf/mfu over the device's peak FLOP/s,
 perf/peak_memory_gib, and the wall-clock seconds and tokens per second of each phase.
-Imports: model.py, plot.py (the curves), distributed.py, env.py, learner.py (checkpoints) (and
-torch, wandb, yaml, the standard library).
+Imports: model.py, plot.py (the curves), distributed.py, env.py, learner.py (the learner's state)
+(and torch, safetensors, wandb, yaml, the standard library).
 """
 
 import dataclasses
@@ -42,11 +44,18 @@ import time
 
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from distributed import barrier, is_main
+from distributed import FULL_STATE, barrier, full_state_dict, is_main, is_sharded
 from env import env_class
-from learner import LearnerState, save_checkpoint, save_merged
-from model import safetensors_files, train_flops
+from learner import LearnerState, merged_state_dict
+from model import Transformer, safetensors_files, save_model, train_flops
 from plot import save_curves
 
 # async mode: the queued batches (async_rollouts.AsyncSchedule), saved with a checkpoint
@@ -129,6 +138,124 @@ def _differing_keys(a, b, prefix: str = "") -> list[str]:
 def _plain(x):
     """YAML reads tuples back as lists: compare the two alike."""
     return [_plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+# -----------------------------------------------------------------------------
+# a learner's checkpoint: weights in Hugging Face layout + optimizer, optimizer step and RNG state
+# beside them
+
+
+def save_checkpoint(
+    state: LearnerState, path: str, extra: dict | None = None, base_model: str = ""
+) -> None:
+    """Write `path/` as a loadable HF folder (config.json, model.safetensors) plus
+    `trainer_state.pt` (optimizer, optimizer step, RNG states) and `trainer_state.json` (that step
+    and `extra`, human-readable). A LoRA model writes only its adapter (save_adapter: PEFT names;
+    `base_model` goes into adapter_config.json).
+    Sharded: every rank calls it (weights and optimizer state are gathered), rank 0 writes. The
+    optimizer state is keyed by parameter name, so a checkpoint resumes under any number of
+    processes."""
+    model = state.model
+    # a wing's adapters (lora.py): only they train, only they are saved
+    adapter = getattr(model, "adapter", None)
+    if adapter is not None:
+        adapter.save(model, path, base_model)
+        sd = {}
+    else:
+        sd = full_state_dict(model)
+    optim = get_optimizer_state_dict(model, state.optimizer, options=FULL_STATE)
+    if not is_main():
+        return
+    os.makedirs(path, exist_ok=True)
+    if sd and isinstance(model, Transformer):
+        # Hugging Face layout: loadable by any engine. save_model reads a module: a sharded one is
+        # not one
+        save_model(_plain_model(model.cfg, sd) if is_sharded(model) else model, path)
+    elif sd:
+        save_file(
+            {k: v.detach().clone() for k, v in sd.items()},  # clone: tied weights
+            os.path.join(path, "model.safetensors"),
+        )
+    torch.save(
+        {
+            "optimizer": optim,
+            "optimizer_step": state.optimizer_step,
+            "rng": state.rng.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        os.path.join(path, "trainer_state.pt"),
+    )
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"optimizer_step": state.optimizer_step, **(extra or {})}, f, indent=2)
+
+
+def _plain_model(cfg, sd: dict) -> Transformer:
+    """An unsharded Transformer holding the tensors of `sd` (no copy)."""
+    with torch.device("meta"):
+        plain = Transformer(cfg)
+    plain.load_state_dict(sd, strict=False, assign=True)
+    plain.tie_weights()
+    return plain
+
+
+def save_merged(model: Transformer, path: str) -> None:
+    """A Hugging Face folder (config.json, model.safetensors) of merged_state_dict(model): a LoRA
+    run's weights as a plain model that eval.py, transformers or vLLM load. Every rank calls it,
+    rank 0 writes."""
+    sd = merged_state_dict(model)
+    if is_main():
+        save_model(_plain_model(model.cfg, {k: v.detach().cpu() for k, v in sd.items()}), path)
+
+
+def _tied(model) -> bool:
+    m = model if isinstance(model, Transformer) else model.backbone
+    return m.cfg.tie_word_embeddings
+
+
+def load_checkpoint(state: LearnerState, path: str) -> LearnerState:
+    """Restore weights (or a LoRA model's adapters), optimizer, optimizer step and RNG from `path`
+    into `state` (built the same way as when saved, with any number of processes). Every rank reads
+    the files."""
+    adapter = getattr(state.model, "adapter", None)
+    if adapter is not None:
+        adapter.load(state.model, path)
+    else:
+        sd = {}
+        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            sd.update(load_file(f))
+        expected = set(state.model.state_dict())
+        missing = [
+            k
+            for k in expected - set(sd)
+            if not (k.endswith("lm_head.weight") and _tied(state.model))
+        ]
+        unexpected = sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {path}: missing {sorted(missing)[:5]}, unexpected {unexpected[:5]}"
+            )
+        if is_sharded(state.model):  # each rank keeps its shard of the full tensors
+            set_model_state_dict(
+                state.model, sd, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
+        else:
+            state.model.load_state_dict(sd, strict=False)
+    ts = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    set_optimizer_state_dict(
+        state.model,
+        state.optimizer,
+        ts["optimizer"],
+        options=StateDictOptions(full_state_dict=True),
+    )
+    for group in state.optimizer.param_groups:
+        # the loader hands tuples (AdamW's betas) back as lists: the same
+        # as saved
+        group.update(
+            {k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)}
+        )
+    state.rng.set_state(ts["rng"])
+    torch.set_rng_state(ts["torch_rng"])
+    return dataclasses.replace(state, optimizer_step=ts["optimizer_step"])
 
 
 # -----------------------------------------------------------------------------
@@ -486,7 +613,7 @@ def check_model_folder(path, key: str, weights: bool = True) -> str:
 
 
 def check_checkpoint_folder(path, key: str, critic: bool = False) -> str:
-    """`path` if it is a complete checkpoint folder that a run resumes from (learner.save_checkpoint
+    """`path` if it is a complete checkpoint folder that a run resumes from (save_checkpoint
     wrote trainer_state.pt, and critic/trainer_state.pt for PPO's critic when `critic`;
     runs.save_run_checkpoint wrote its marker last, so a folder a kill left half written has none);
     else ValueError naming `key`."""

@@ -270,7 +270,8 @@ def bad_starts(tmp_path):
         (
             "eval",
             ["--policy", "random", "eval.n_samples=4", "eval.pass_k=[1,2,8]"],
-            "eval.pass_k=[1, 2, 8] needs every k between 1 and eval.n_samples=4: pass@k draws k of a task's n samples "
+            "eval.pass_k=[1, 2, 8] needs every k between 1 and eval.n_samples=4: "
+            "pass@k draws k of a task's n samples "
             "(e.g. eval.n_samples=10 eval.pass_k=[1,5,10])",
         ),
         (

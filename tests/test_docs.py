@@ -54,7 +54,9 @@ ALLOWED = {
     "key.sub": "the form of an override, in prose (`key.sub=value`)",
     "path/to/file.py": "the user's own agent file, in the form rollout.external_agent takes",
     "configs/my_env.yaml": "the user's own world's config, in the guide to writing one",
-    "learner.tis_cap": "a removed key, shown with the error that names its replacement (config.RENAMED)",
+    "learner.tis_cap": (
+        "a removed key, shown with the error that names its replacement (config.RENAMED)"
+    ),
     "rollout.stale_policy": "a key that does not exist, named to say so",
     "learner.lrr": "a typo on purpose, in the example of the closest-key error",
     "configs/nope.yaml": "a missing file on purpose, in the example of the missing-file error",
@@ -294,7 +296,8 @@ def resolve_file(path: str) -> str | None:
             return f"{path} is ambiguous: {hits}; write the folder"
         if hits:
             return None
-    return f"no file {path} at the root or in {', '.join(d + '/' for d in MODULE_DIRS[1:] + OTHER_DIRS)}"
+    folders = ", ".join(d + "/" for d in MODULE_DIRS[1:] + OTHER_DIRS)
+    return f"no file {path} at the root or in {folders}"
 
 
 def resolve_run(target: str, mods: dict) -> str | None:
@@ -308,7 +311,8 @@ def resolve_run(target: str, mods: dict) -> str | None:
         )
     path = mods.get(target)
     if path and path.replace("/", ".")[:-3] != target:
-        return f"`{target}` is not importable from the root: the module is {path.replace('/', '.')[:-3]}"
+        module = path.replace("/", ".")[:-3]
+        return f"`{target}` is not importable from the root: the module is {module}"
     return None
 
 

@@ -13,13 +13,12 @@ from algos import OffPolicyConfig
 from learner import (
     LearnerConfig,
     TrainBatch,
-    load_checkpoint,
     make_learner,
-    save_checkpoint,
     sft_step,
     train_step,
 )
 from model import ModelConfig, init_model
+from runs import load_checkpoint, save_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_cases import scored  # noqa: E402

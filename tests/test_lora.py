@@ -14,13 +14,12 @@ from conftest import need
 
 from learner import (
     LearnerConfig,
-    load_checkpoint,
     make_learner,
     merged_state_dict,
-    save_checkpoint,
     sft_step,
 )
 from model import Transformer
+from runs import load_checkpoint, save_checkpoint
 from wings.lora import LoRALinear, apply_lora, load_adapter, save_adapter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -15,13 +15,12 @@ import torch.nn.functional as F
 from config import load_config
 from learner import (
     LearnerConfig,
-    load_checkpoint,
     make_learner,
     merged_state_dict,
-    save_checkpoint,
     sft_step,
 )
 from model import Transformer
+from runs import load_checkpoint, save_checkpoint
 from wings import qlora
 from wings.lora import apply_lora
 from wings.qlora import (

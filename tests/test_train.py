@@ -1,6 +1,7 @@
 """End to end on a tiny config: the embedded default model builds and loads in transformers, main()
 runs and writes what it promises, and a resumed run ends bit-identical to an uninterrupted one."""
 
+import copy
 import json
 import os
 import shutil
@@ -439,6 +440,36 @@ def test_an_episode_as_rows_gets_the_advantages_it_gets_as_one_row(tiny, credit)
     if credit == "episode":  # GRPO over the 4 episodes
         expected = algos.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "grpo")
         assert sampled(b.advantages[:2], b.loss_mask[:2]) == [float(expected[0])] * 3
+
+
+def test_the_skip_reads_the_advantages_so_a_shaped_reward_still_teaches(tiny):
+    """A batch is skipped when every advantage is 0, decided from the rewards the advantages come
+    from: with DAPO's overlong penalty two episodes of equal raw reward but different lengths are
+    a mixed group (the penalty's signal is in the shaped rewards); without it they are not."""
+    from batch import to_batch
+    from train import compute_advantages
+
+    # one group of two episodes, both reward 1.0: one short, one in the overlong zone
+    trajs, _ = episode_rows_case()
+    short = trajs[1]
+    long = copy.deepcopy(short)
+    long.group, long.sample = 0, 1
+    long.token_ids = short.token_ids + [7] * 40
+    long.loss_mask = short.loss_mask + [1] * 40
+    long.logprobs = short.logprobs + [-0.5] * 40
+    for t in (short, long):
+        t.reward, t.turn_rewards = 1.0, [1.0]
+    batch = to_batch([short, long], pad_id=0)
+    plain = tiny("rollout.agent.n_samples=2", "algo.overlong_cache=0")
+    shaped = tiny(
+        "rollout.agent.n_samples=2",
+        "rollout.agent.max_total_tokens=48",
+        "algo.overlong_cache=40",
+    )
+    _, _, _, informative = compute_advantages(plain, batch, None, None)
+    assert not informative
+    train_batch, _, _, informative = compute_advantages(shaped, batch, None, None)
+    assert informative and bool((train_batch.advantages != 0).any())
 
 
 @pytest.mark.slow

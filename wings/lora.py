@@ -3,9 +3,9 @@
 Only the adapters train; the frozen base keeps its Hugging Face names, so a base checkpoint loads
 into a wrapped model unchanged. The learner reaches this file through two hooks, never by name:
 merged_state_dict folds every module that has `fold_into` (LoRALinear) into plain weights for the
-engine, and save_checkpoint / load_checkpoint call the model's `adapter` (LoRAFiles: PEFT-compatible
-adapter files). train.build_learner calls apply_lora when the config asks for it. Docs:
-docs/lora.md.
+engine, and runs.save_checkpoint / load_checkpoint call the model's `adapter` (LoRAFiles:
+PEFT-compatible adapter files). train.build_learner calls apply_lora when the config asks for it.
+Docs: docs/lora.md.
 
 Shapes: r LoRA rank, in/out a linear layer's input/output features.
 Imports: distributed.py (and torch, safetensors, the standard library).
@@ -112,7 +112,7 @@ def apply_lora(
                 wrapped.append(f"{parent_name}.{name}" if parent_name else name)
     if not wrapped:
         raise ValueError(f"apply_lora: no nn.Linear named one of {list(targets)} in the model")
-    # how learner.save_checkpoint / load_checkpoint write and read the adapters
+    # how runs.save_checkpoint / load_checkpoint write and read the adapters
     model.adapter = LoRAFiles()
     # what save_adapter writes into adapter_config.json
     model.lora_config = {
@@ -206,7 +206,7 @@ def load_adapter(model: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 class LoRAFiles:
-    """The `adapter` apply_lora puts on a model: learner.save_checkpoint writes only the adapters
+    """The `adapter` apply_lora puts on a model: runs.save_checkpoint writes only the adapters
     (PEFT's files) and load_checkpoint reads them back, through these two calls."""
 
     save = staticmethod(save_adapter)
