@@ -2,9 +2,10 @@
 CI.
 
     python bench/gpu.py                          # CUDA: Qwen2.5-0.5B and 1.5B shapes, random
-    weights, bf16 python bench/gpu.py --shapes 0.5b --json out.json
+                                                 weights, bf16
+    python bench/gpu.py --shapes 0.5b --json out.json
     python bench/gpu.py --tiny                   # tiny shapes on the CPU (automatic without CUDA):
-    what CI runs
+                                                 what CI runs
 
 Needs only torch, safetensors, tokenizers, numpy, pyyaml and tqdm (what a lent GPU machine has: no
 network, no vLLM, Ray or wandb; nothing on this script's path imports them). transformers is
@@ -13,42 +14,36 @@ Qwen2.5's architecture and sizes, N(0, 0.02) weights), in bf16 (--dtype; fp32 by
 --tiny):
 
   checks (fail the run)   bf16 vs fp32: the same weights' token log-probs differ by at most 0.5 (the
-  bf16
-                          weight-sync threshold, rollout.default_sync_threshold) and the logits by
-                          at most 5% in relative L2 norm (one bf16 rounding is 0.4%; a wrong weight
-                          or layout gives ~100%); engine vs learner: the engine's log-probs of its
-                          own samples against the learner's scoring of them, within
+                          bf16 weight-sync threshold, rollout.default_sync_threshold) and the logits
+                          by at most 5% in relative L2 norm (one bf16 rounding is 0.4%; a wrong
+                          weight or layout gives ~100%); engine vs learner: the engine's log-probs
+                          of its own samples against the learner's scoring of them, within
                           rollout.default_sync_threshold(dtype), as the run's gate checks
   engine decode           TorchEngine.generate tokens/s (rows x new tokens, temperature 1, no stop
-  token), and
-                          transformers' generate forced to the same tokens when it imports,
-                          interleaved A B A B; on CUDA each side's peak memory above what was
-                          allocated before the call (KV cache etc.)
+                          token), and transformers' generate forced to the same tokens when it
+                          imports, interleaved A B A B; on CUDA each side's peak memory above what
+                          was allocated before the call (KV cache etc.)
   decode modes, floor     the same prompts with each rollout.decode (--decodes: plain, fast,
-  compiled; compiled
-                          where Inductor has its compiler, its first call compiling untimed),
-                          interleaved: tokens/s, ms per decode step, and each against the decode's
-                          floor (bench/profile_step.py's
-                          sampling_floor: per step the weights and every row's keys and values read
-                          once at this device's read bandwidth, or its FLOPs at its matmul rate on
-                          the decode's shapes, whichever is longer); memory_bound_pct: the bandwidth
-                          floor over the time, the share of the memory bound a step reaches. A check
-                          (fails the run): the fast and compiled engines' log-probs of their own
-                          samples against the learner's, within
-                          rollout.default_sync_threshold(dtype)
+                          compiled; compiled where Inductor has its compiler, its first call
+                          compiling untimed), interleaved: tokens/s, ms per decode step, and each
+                          against the decode's floor (bench/profile_step.py's sampling_floor: per
+                          step the weights and every row's keys and values read once at this
+                          device's read bandwidth, or its FLOPs at its matmul rate on the decode's
+                          shapes, whichever is longer); memory_bound_pct: the bandwidth floor over
+                          the time, the share of the memory bound a step reaches. A check (fails the
+                          run): the fast and compiled engines' log-probs of their own samples
+                          against the learner's, within rollout.default_sync_threshold(dtype)
   learner                 learner.train_step on rows x tokens (one mini-batch, one epoch, AdamW):
-  tokens/s, MFU
-                          and peak memory, with and without gradient checkpointing
+                          tokens/s, MFU and peak memory, with and without gradient checkpointing
   shared prefix, bf16     train_step on groups of 8 rows sharing a 3/4-row prompt, fp32 parameters:
-  every row whole,
-                          the shared prompt run once (learner.shared_prefix; a check: the same
-                          gradient, fails the run), and the same in bf16 (learner.precision=bf16;
-                          where the device has bf16)
+                          every row whole, the shared prompt run once (learner.shared_prefix; a
+                          check: the same gradient, fails the run), and the same in bf16
+                          (learner.precision=bf16; where the device has bf16)
   weight push             TorchEngine.update_weights from the learner's state dict: seconds and GB/s
   train.py                (first shape only) two GRPO steps of train.main on toy math, the model
-  saved with a
-                          small BPE tokenizer (sampled ids past it decode to nothing: rewards are 0,
-                          so skip_uniform_batches is off to force the updates): its perf/* seconds
+                          saved with a small BPE tokenizer (sampled ids past it decode to nothing:
+                          rewards are 0, so skip_uniform_batches is off to force the updates): its
+                          perf/* seconds
 
 MFU = model FLOPs / seconds / peak FLOPs. Model FLOPs of a step, after PaLM (Chowdhery et al. 2022,
 appendix B, https://arxiv.org/abs/2204.02311): 6 N + 12 L H T per token, N the parameters in matmuls

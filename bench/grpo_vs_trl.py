@@ -11,27 +11,24 @@ process (so start-up, peak RSS and threads are its own), run interleaved A B A B
 (not counted; --warmup-pairs), then `pairs` timed pairs.
 
   ours  train.main on toy_math, single turn (rollout.agent.max_turns=1; `multiturn` below: K turns),
-  the in-process
-        torch engine, no eval but one held-out task at step 0 and at the end, no wandb, the final
-        checkpoint only (after the timed steps).
-        Loss: learner.policy_loss=ppo (clip 0.2), token-mean over the batch; advantage (r - mean_g)
-        / (std_g + 1e-6); on-policy, so no old-log-prob pass (perf/old_logprob_pass = 0);
-        algo.skip_uniform_batches=false (TRL updates on an all-zero-advantage batch too, and a
-        random model's rewards are all 0); the weight-sync gate (4 trajectories x 8 tokens) stays
-        on, as in every run. Reward: toy_math's (the number given to finish, or the last number of a
-        plain-text answer).
+        the in-process torch engine, no eval but one held-out task at step 0 and at the end, no
+        wandb, the final checkpoint only (after the timed steps). Loss: learner.policy_loss=ppo
+        (clip 0.2), token-mean over the batch; advantage (r - mean_g) / (std_g + 1e-6); on-policy,
+        so no old-log-prob pass (perf/old_logprob_pass = 0); algo.skip_uniform_batches=false (TRL
+        updates on an all-zero-advantage batch too, and a random model's rewards are all 0); the
+        weight-sync gate (4 trajectories x 8 tokens) stays on, as in every run. Reward: toy_math's
+        (the number given to finish, or the last number of a plain-text answer).
   trl   TRL's GRPOTrainer (the TRL side is this file run with --trl-python: trl, transformers,
-  datasets are imported
-        only there; they are not dependencies of the project). GRPOConfig is fixed to the same work:
-        use_cpu, fp32, beta 0, num_iterations 1, no vLLM (HF generate, temperature 1, top_p 1, top_k
-        0), gradient checkpointing off, constant lr, per_device_train_batch_size = micro-batch and
-        gradient accumulation so that one generation round of P x G feeds one optimizer step. Loss:
-        TRL's default loss_type=dapo, PPO-clip 0.2 summed over all completion tokens of the batch /
-        their number (the same token-mean); advantage (r - mean_g) / (std_g + 1e-4). Reward: the
-        last number of the completion equals the answer. The prompts are our rendered chat prompts,
-        given as raw text (TRL's non-conversational path), tokenized from the folder's
-        tokenizer.json verbatim; the child checks its ids equal ours on every prompt. It stops at
-        <|im_end|>, as ours does.
+        datasets are imported only there; they are not dependencies of the project). GRPOConfig is
+        fixed to the same work: use_cpu, fp32, beta 0, num_iterations 1, no vLLM (HF generate,
+        temperature 1, top_p 1, top_k 0), gradient checkpointing off, constant lr,
+        per_device_train_batch_size = micro-batch and gradient accumulation so that one generation
+        round of P x G feeds one optimizer step. Loss: TRL's default loss_type=dapo, PPO-clip 0.2
+        summed over all completion tokens of the batch / their number (the same token-mean);
+        advantage (r - mean_g) / (std_g + 1e-4). Reward: the last number of the completion equals
+        the answer. The prompts are our rendered chat prompts, given as raw text (TRL's
+        non-conversational path), tokenized from the folder's tokenizer.json verbatim; the child
+        checks its ids equal ours on every prompt. It stops at <|im_end|>, as ours does.
 
 Figures per side: median seconds per step (wall time between consecutive step ends: ours from
 metrics.jsonl's perf/elapsed_minutes, TRL from on_step_end callbacks), split into sampling (ours
@@ -67,42 +64,37 @@ so its episodes run to M tokens, and its rewards are all 0.
 turns (--turns, 3) with toy_math's own tools, python_eval and finish. The budget of an episode after
 its prompt is C = K x M + (K - 1) x TOOL_RESULT_TOKENS (sampled tokens and tool results together).
   ours  as above, with rollout.agent.max_turns=K, rollout.max_tokens=M per turn and the context
-  window
-        agent.max_total_tokens = the longest prompt + C + 1. The env ends an episode at a finish
-        call (its answer graded) or at a message without tool calls (its last number graded); a
-        python_eval result comes back as
+        window agent.max_total_tokens = the longest prompt + C + 1. The env ends an episode at a
+        finish call (its answer graded) or at a message without tool calls (its last number graded);
+        a python_eval result comes back as
         "\n<|im_start|>user\n<tool_response>\n<text>\n</tool_response><|im_end|>\n<|im_start|>assistant\n".
   trl   GRPOTrainer with tools=[python_eval, finish], conversational prompts (the env's system and
-  user messages),
-        max_tool_calling_iterations=K - 1 (K generation rounds), max_completion_length=C. Our env
-        does the work: the TRL child imports env.py and chat.py from the repo (standard library
-        only) once TRL is loaded. python_eval returns our env's run_tool text for the same call (the
-        same sandbox); finish returns "". The reward steps each episode's assistant messages through
-        our env's step until it would have ended the episode (env_tools), so both sides are graded
-        by the same code. The folder's chat template is not TRL's qwen2.5 template byte for byte
-        (TRL recognises templates by equality, to parse <tool_call> blocks), so the TRL side sets
-        TRL's own qwen2_5 template, and renders each tool function as our env's schema of that name
-        (transformers would write one from the docstring, with a description per argument that ours
-        has not). The child checks that every prompt it renders has our ids, and that a tool
-        result's ids (TRL's _get_tool_suffix_ids) equal our agent's (chat.render_continuation,
-        encoded).
+        user messages), max_tool_calling_iterations=K - 1 (K generation rounds),
+        max_completion_length=C. Our env does the work: the TRL child imports env.py and chat.py
+        from the repo (standard library only) once TRL is loaded. python_eval returns our env's
+        run_tool text for the same call (the same sandbox); finish returns "". The reward steps each
+        episode's assistant messages through our env's step until it would have ended the episode
+        (env_tools), so both sides are graded by the same code. The folder's chat template is not
+        TRL's qwen2.5 template byte for byte (TRL recognises templates by equality, to parse
+        <tool_call> blocks), so the TRL side sets TRL's own qwen2_5 template, and renders each tool
+        function as our env's schema of that name (transformers would write one from the docstring,
+        with a description per argument that ours has not). The child checks that every prompt it
+        renders has our ids, and that a tool result's ids (TRL's _get_tool_suffix_ids) equal our
+        agent's (chat.render_continuation, encoded).
   Where the loops differ (the work table shows what each episode did, per side):
   - Ending: TRL ends an episode only at a turn without tool calls (or after K rounds). After a
-  finish call it
-    renders finish's empty result and samples another turn, which ours never does; the reward
-    ignores those turns.
+    finish call it renders finish's empty result and samples another turn, which ours never does;
+    the reward ignores those turns.
   - Length: ours caps each turn at M tokens and the episode at C; TRL caps only the episode at C (a
-  turn may
-    sample up to C tokens, cut afterwards to fit), and drops a tool result that would not fit,
-    ending the episode.
+    turn may sample up to C tokens, cut afterwards to fit), and drops a tool result that would not
+    fit, ending the episode.
   - Parsing: ours repairs malformed tool-call JSON and reports the problem as an observation; TRL's
-  parser reads
-    a turn it cannot parse as plain text, which ends the episode (graded as a text answer).
+    parser reads a turn it cannot parse as plain text, which ends the episode (graded as a text
+    answer).
   - Sampling time: ours perf/rollout_seconds (the agent loop: every turn, the tools, the env); TRL
-  the time in
-    its _generate (every generation round, the tool calls, parsing and re-tokenizing between them),
-    not the time in model.generate alone as in the single-turn sizes (kept in the child's JSON as
-    generate_s).
+    the time in its _generate (every generation round, the tool calls, parsing and re-tokenizing
+    between them), not the time in model.generate alone as in the single-turn sizes (kept in the
+    child's JSON as generate_s).
 
 TRL goes in a scratch venv outside the repo (the versions measured; torch first, so that nothing
 pulls a CUDA build, and a dry run must not list torch among what it would install):
@@ -649,18 +641,16 @@ def env_tools(env, envs: str):
     the module)
     -> (tools, schemas, reward, work):
       tools    the functions TRL calls, one per toy_math tool: python_eval returns our env's
-      run_tool text for the same
-               call (the same sandbox); finish returns "" (our env ends the episode there and
-               renders nothing);
+               run_tool text for the same call (the same sandbox); finish returns "" (our env ends
+               the episode there and renders nothing);
       schemas  our env's schema of each tool, by name (what our prompts render);
       reward   TRL's reward function: each episode's assistant messages stepped through our env's
-      step until the env
-               ends the episode (a finish call, or a message without tool calls). Calls other than
-               finish change nothing that toy_math grades, so they are not run a second time;
+               step until the env ends the episode (a finish call, or a message without tool calls).
+               Calls other than finish change nothing that toy_math grades, so they are not run a
+               second time;
       work     filled by `reward` once per step: the means over the P x G episodes of WORK (turns,
-      tool calls parsed,
-               finish included, as our rollout/tool_calls counts them; ended; after_end, the turns
-               TRL sampled after the env's end; reward)."""
+               tool calls parsed, finish included, as our rollout/tool_calls counts them; ended;
+               after_end, the turns TRL sampled after the env's end; reward)."""
     with open(envs) as f:
         spec = json.load(f)["envs"][0]
     toy = env.make_env(spec["name"], **spec.get("kwargs", {}))

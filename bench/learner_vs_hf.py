@@ -11,12 +11,11 @@ row), the same micro-batch rows, fp32, the same thread count. Each measurement i
 update, then one timed update.
 
   ours        what train.py runs: learner.train_step, on-policy, so pi_old is the update's own
-  log-probs
-              (no scoring pass), only the trained tokens reach the lm_head
+              log-probs (no scoring pass), only the trained tokens reach the lm_head
   ours+old    the same after a compute_logprobs pass for pi_old (what every update did before the
-  skip) hf          a plain loop: Qwen2ForCausalLM forward (full logits), log_softmax + gather,
-  PPO-clip loss
-              (token-mean), backward per micro-batch, grad-norm clip, AdamW
+              skip)
+  hf          a plain loop: Qwen2ForCausalLM forward (full logits), log_softmax + gather, PPO-clip
+              loss (token-mean), backward per micro-batch, grad-norm clip, AdamW
 
 Tokens/s counts B x T tokens per second of the update. Peak RSS is the process's (ru_maxrss, model
 and imports included; transformers' import alone is heavier); "update rise" is peak RSS minus the

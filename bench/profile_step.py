@@ -2,8 +2,7 @@
 10M shapes.
 
     .venv/bin/python bench/profile_step.py [--shapes default,10m] [--decodes plain,fast,compiled]
-    [--threads 1]
-                                           [--repeats 3] [--clock wall|cpu]
+                                           [--threads 1] [--repeats 3] [--clock wall|cpu]
 
 The step of bench/grpo_vs_trl.py's sizes without train.py around it: 8 prompts of 58 random tokens x
 8 samples, up to 64 new tokens (TorchEngine.generate, once per rollout.decode mode), then a scoring
@@ -13,26 +12,23 @@ learner's defaults: shared prompts, 4,096-token micro-batches). The weights are 
 the ops and shapes, not the tokens, set the time. Per phase it prints:
 
   model FLOPs   2 per weight per token for a forward, 6 for forward and backward; attention's 4 x
-  heads x head_dim
-                per token and key it attends (x3 in the update); the lm_head on the scored tokens
-                only (as token_logprobs runs it), in sampling once per sampled token. What the phase
-                must compute, once: a group's prompt counts once, as learner.shared_prefix and
-                fast_decode.py run it.
+                heads x head_dim per token and key it attends (x3 in the update); the lm_head on the
+                scored tokens only (as token_logprobs runs it), in sampling once per sampled token.
+                What the phase must compute, once: a group's prompt counts once, as
+                learner.shared_prefix and fast_decode.py run it.
   compute floor those FLOPs at this CPU's matmul rate on the phase's own GEMM shapes (the q/k/v and
-  gate/up weights
-                fused, as the weights allow), each shape timed alone, best of 20.
+                gate/up weights fused, as the weights allow), each shape timed alone, best of 20.
   memory floor  sampling's decode steps: the bytes each must read, the weights once and the keys and
-  values of
-                every row's context (its group's prompt once per group, its own tokens), over this
-                machine's read bandwidth (a sum over 512 MiB, best of 3). A decode step's floor is
-                the larger of its two floors.
+                values of every row's context (its group's prompt once per group, its own tokens),
+                over this machine's read bandwidth (a sum over 512 MiB, best of 3). A decode step's
+                floor is the larger of its two floors.
   measured      the phase's time, best of --repeats, the sides interleaved; x floor = measured /
-  floor. the rest      torch.profiler's self time by kind of op: gemm (mm, addmm, bmm), sdpa (the
-  fused attention
-                kernel), draw (sampling's random numbers: multinomial, exponential, cumsum,
-                searchsorted), elementwise, copy/index (copies, gathers, cat, index_put), other ops,
-                compiled (Inductor's kernels, decode=compiled), and python (the time no op accounts
-                for: the interpreter between launches).
+                floor.
+  the rest      torch.profiler's self time by kind of op: gemm (mm, addmm, bmm), sdpa (the fused
+                attention kernel), draw (sampling's random numbers: multinomial, exponential,
+                cumsum, searchsorted), elementwise, copy/index (copies, gathers, cat, index_put),
+                other ops, compiled (Inductor's kernels, decode=compiled), and python (the time no
+                op accounts for: the interpreter between launches).
 Then, per decode mode at each shape: milliseconds and aten ops launched per decode step (the sampled
 tokens' steps, from the profile), where launches per token is what fast_decode.py cuts.
 

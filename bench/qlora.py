@@ -2,8 +2,7 @@
 side by side.
 
     .venv/bin/python bench/qlora.py [--hidden 512] [--layers 8] [--vocab 1024] [--batch 2] [--seq
-    128] [--rank 16]
-                                    [--dtype float32] [--threads 2]
+                                    128] [--rank 16] [--dtype float32] [--threads 2]
 
 A random-init Qwen2-shaped model (intermediate = 2.75 x hidden, head size 64, 2 query heads per
 key/value head) is written once as a Hugging Face folder. Each variant then runs in a fresh

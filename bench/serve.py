@@ -2,23 +2,23 @@
 training step against the native loop's, side by side in one run (issue 38's two targets).
 
     .venv/bin/python bench/serve.py                       # both parts, the embedded default model,
-    1 torch thread .venv/bin/python bench/serve.py --part batching --sessions 64 --repeats 5
+                                                          1 torch thread
+    .venv/bin/python bench/serve.py --part batching --sessions 64 --repeats 5
     .venv/bin/python bench/serve.py --part training --steps 5
 
 batching: `sessions` clients (threads of another process: they do not take the server's GIL) each
-send one chat
-          request at the same instant (a barrier), over plain HTTP on connections opened beforehand,
-          to a serve.Server over a TorchEngine of the default model; against it, the same prompts
-          (rendered and encoded as the server does) in one engine.generate call, with the same
-          sampling (T = 1, max_tokens, stopping at <|im_end|>). tokens/s is sampled tokens over wall
-          time (the server's: from the barrier to the last answer, so the HTTP work is in it). The
-          two take turns, `repeats` times each; medians. Target: server / engine >= 0.8.
+          send one chat request at the same instant (a barrier), over plain HTTP on connections
+          opened beforehand, to a serve.Server over a TorchEngine of the default model; against it,
+          the same prompts (rendered and encoded as the server does) in one engine.generate call,
+          with the same sampling (T = 1, max_tokens, stopping at <|im_end|>). tokens/s is sampled
+          tokens over wall time (the server's: from the barrier to the last answer, so the HTTP work
+          is in it). The two take turns, `repeats` times each; medians. Target: server / engine >=
+          0.8.
 training: train.main on the main config (configs/toy_math.yaml) for `steps` steps, native
-(agent.LocalRollouts) and
-          with rollout.external_agent=examples/calc_agent.py:run, taking turns `repeats` times; the
-          median of perf/step_seconds (and perf/rollout_seconds) over the steps after the first.
-          Target: external / native <= 1.25. Held-out evaluation is off (eval_every past the last
-          step).
+          (agent.LocalRollouts) and with rollout.external_agent=examples/calc_agent.py:run, taking
+          turns `repeats` times; the median of perf/step_seconds (and perf/rollout_seconds) over the
+          steps after the first. Target: external / native <= 1.25. Held-out evaluation is off
+          (eval_every past the last step).
 Both parts run in this process with the same torch threads (--threads, default 1: on the 2-core
 machine the engine, the event loop and the clients or agents share the cores). The agents run in
 their own process (external_agent.AgentProcess), as in training.

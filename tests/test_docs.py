@@ -4,23 +4,20 @@ test, not a reader.
 Read with ast from the source; none of our modules is imported. Each backticked span of README.md
 and docs/*.md, and each line of their ```bash blocks, is checked for:
 - files: every `x.py` names a file that exists (a path from the root, or a bare name found at the
-root, in wings/ or
-  envs/, else in tests/, bench/ or examples/, in exactly one of them), and so does every path into
-  configs/, docs/, tests/, bench/, examples/, wings/ or envs/;
+  root, in wings/ or envs/, else in tests/, bench/ or examples/, in exactly one of them), and so
+  does every path into configs/, docs/, tests/, bench/, examples/, wings/ or envs/;
 - runs: `python x.py` and `python -m x` name a file or module as run from the root, and so does
 `wing("x.name")`;
 - code names: every `module.name`, `module.Class.attr` or `module.name(...)` whose first part is one
-of our modules
-  (a core file, a wing's or world's file stem, or `wings.x` / `envs.x`) names what that file defines
-  at top level (def, class, assignment; in a class: its body, dataclass fields, methods, `self.x`
-  set by a method). A name only imported into a file does not count: the docs point at the defining
-  file;
+  of our modules (a core file, a wing's or world's file stem, or `wings.x` / `envs.x`) names what
+  that file defines at top level (def, class, assignment; in a class: its body, dataclass fields,
+  methods, `self.x` set by a method). A name only imported into a file does not count: the docs
+  point at the defining file;
 - config keys: every dotted path whose first part is a section of config.Config
-(`rollout.agent.max_turns`,
-  `envs[i].name`), and the key of every `key=value` override, resolves in the dataclass tree that
-  config.py assembles (with agent.AgentConfig, learner.LearnerConfig and algos' loss and off-policy
-  dataclasses). A first part that is both a section and a module (`rollout`, `learner`, `model`,
-  `eval`, `sft`, `envs`) passes either way;
+  (`rollout.agent.max_turns`, `envs[i].name`), and the key of every `key=value` override, resolves
+  in the dataclass tree that config.py assembles (with agent.AgentConfig, learner.LearnerConfig and
+  algos' loss and off-policy dataclasses). A first part that is both a section and a module
+  (`rollout`, `learner`, `model`, `eval`, `sft`, `envs`) passes either way;
 - links: every relative markdown link `[x](path#anchor)` names a file that exists and, into a .md
 file, a heading. Metric names (`rollout/reward`), values, other words of a command and other
 libraries' names are not checked.

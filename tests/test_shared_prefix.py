@@ -41,13 +41,11 @@ TOL = 1e-10
 def rows_of(kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (B, T), loss mask (B, T)) of a batch of `kind`:
     single  3 groups of 4 samples after a shared prompt (lengths 6-8), two samples of a group
-    agreeing on their
-            first 2 tokens, and one row alone;
+            agreeing on their first 2 tokens, and one row alone;
     multi   2 groups of 4 multi-turn rows: prompt, sampled turn, observation (masked), sampled turn;
-    two rows of a
-            group identical through their first turn and observation;
+            two rows of a group identical through their first turn and observation;
     none    8 rows that share nothing (every row whole: the plain forward), one with no trained
-    token."""
+            token."""
     g = torch.Generator().manual_seed(seed)
     T = 30
     ids, mask = torch.zeros(0, T, dtype=torch.long), torch.zeros(0, T)
