@@ -481,6 +481,7 @@ def train_step(
     opt_step = state.optimizer_step
     model.train()
     for epoch in range(cfg.ppo_epochs):
+        # the rows in this pass's order, cut into mini-batches: one optimizer step each
         if cfg.mini_batches > 1:
             order = torch.randperm(len(mask), generator=state.rng)
         else:
@@ -500,6 +501,7 @@ def train_step(
             for i, (idx, dummy, shared) in enumerate(plan):
                 _sync_gradients(model, last=i == len(plan) - 1)
                 L = int(lens[idx].max())
+                # the micro-batch's loss, weighted by its share of the mini-batch's normaliser
                 if policy:
                     loss, m = micro_batch_loss(model, batch, tis, rows[idx], L, shared, cfg)
                 else:
@@ -521,6 +523,7 @@ def train_step(
                     step_metrics[k] = step_metrics.get(k, 0.0) + v
             step_metrics.update(tokens_used=used, tokens_computed=computed)
             step_metrics = _sum_over_ranks(step_metrics)
+            # the optimizer step on the accumulated gradient: clip, step, zero
             step_metrics.update(_optimizer_step(state, cfg, opt_step))
             opt_step += 1
             n_updates += 1

@@ -118,11 +118,11 @@ def collect_rollouts(cfg: Config, rollouts, envs: dict, step: int) -> tuple[list
     errors = []  # the first error of each round that had one
     for r in range(1 + cfg.algo.max_refill_rounds):
         weights = [(e.name, e.weight) for e in cfg.envs]
-        seed = mix_seed(cfg.seed, step, SEED_TASKS, r)
-        tasks = sample_mixture(envs, weights, "train", want, seed)
-        seed = mix_seed(cfg.seed, step, SEED_EPISODES, r)
+        task_seed = mix_seed(cfg.seed, step, SEED_TASKS, r)
+        tasks = sample_mixture(envs, weights, "train", want, task_seed)
+        episode_seed = mix_seed(cfg.seed, step, SEED_EPISODES, r)
         trajs, dispatch_metrics = rollouts.play(
-            tasks, params, seed, judge_weight=cfg.rollout.judge_weight
+            tasks, params, episode_seed, judge_weight=cfg.rollout.judge_weight
         )
         groups = [trajs[i : i + G] for i in range(0, len(trajs), G)]  # group-major
         broken = [any(t.finish_reason == "env_error" for t in g) for g in groups]
