@@ -756,6 +756,10 @@ class ExecEnv(ToyMathEnv):
 
 
 def test_python_exec_tool_in_a_step():
+    # the code worlds register python_exec (envs/env_code.py): imported here, so the test does not
+    # lean on another test having imported it first
+    import envs.env_code  # noqa: F401
+
     ex = ExecEnv(tool_timeout=0.5)
     task = Task(env="toy_math", id="toy_math/t", prompt="What is 12 * 7?", answer="84")
     state, _ = ex.reset(task, seed=0)
