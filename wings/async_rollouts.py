@@ -2,9 +2,10 @@
 are sampled while the learner trains on this one, up to rollout.max_staleness updates ahead,
 optionally with new weights swapped into generations in flight (rollout.partial_rollouts).
 
-  AsyncSchedule     where each step's batch comes from, and from which weights: the same calls as
-                    train.SyncSchedule (take, before_push, pushes, push, pending, shutdown), so the
-                    loop never asks which it has.
+  AsyncSchedule     where each step's batch comes from, and from which weights: the calls of
+                    train.SyncSchedule (before_push, pushes, push, pending, shutdown), and take(s),
+                    the batch it sampled ahead, which train.main asks for where the sync schedule
+                    calls collect_rollouts itself (overlaps: True).
   ConcurrentEngine  the piece of rollout.TorchEngine this needs (rollout.make_engine adds it when
                     async rollouts are on): one generate at a time across threads, and a push during
                     a generation applied at its next token boundary, each token recording the
@@ -137,7 +138,8 @@ class AsyncSchedule:
     notices, while it waits for a batch, that the engine waits for a version only the loop can push,
     and stops the run with an error."""
 
-    overlaps = True  # the engine samples during the update: it must not sleep
+    # the engine samples during the update (it must not sleep), and take(s) gives the batch
+    overlaps = True
 
     @classmethod
     def from_config(
