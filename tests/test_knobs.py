@@ -317,7 +317,14 @@ KNOBS: dict[str, Knob] = {
     "algo.turn_baseline": Knob("state", TURN_STATES),
     "algo.teacher_path": Knob("<run>/no_such_teacher", expect=REFUSED),
     "algo.distill_coef": Knob("2.0", ("algo.teacher_path=<model>",)),
-    "algo.skip_uniform_batches": Knob("true"),
+    "algo.skip_uniform_batches": Knob(
+        "true",
+        ("rollout.max_tokens=1",),
+        why="one-token turns: every episode of a group is its prompt, one token and the forced "
+        "end, reward 0 and the same length, so every advantage is 0 and the knob decides "
+        "whether the batch still updates (a batch is skipped only when every advantage is 0; "
+        "the base's overlong penalty gives its batches a signal)",
+    ),
     "algo.dynamic_sampling": Knob("true"),
     "algo.max_refill_rounds": Knob("1", ("algo.dynamic_sampling=true",)),
     "algo.overlong_cache": Knob("300"),
