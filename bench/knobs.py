@@ -23,6 +23,7 @@ knob does not do what the table expects (its row says FAILS).
 import argparse
 import ast
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -57,6 +58,7 @@ class Leaf:
     file: str  # where its dataclass is defined, from the root: config.py, agent.py, ...
 
 
+@functools.lru_cache(maxsize=None)
 def field_notes(cls) -> dict[str, tuple[str, str]]:
     """{field: (annotation, comment)} of dataclass `cls`, from its source file. A field's comment is
     the block of comment lines directly above it (up to a blank line, code or a `# ---` banner, the
@@ -86,25 +88,20 @@ def field_notes(cls) -> dict[str, tuple[str, str]]:
     return notes
 
 
-def config_leaves(tree=None, prefix: str = "") -> list[Leaf]:
-    """Every leaf of config.Config's tree with its default, in the order of the fields: a field
-    whose default is a dataclass is a subtree; `envs`, a list of EnvSpec, has the first entry's
-    fields as its leaves (as tests/test_knobs.leaves)."""
+def config_leaves() -> list[Leaf]:
+    """Every leaf of config.Config's tree, in the order of the fields (tests/test_knobs.leaves, the
+    walk's own list), with its default and its field's annotation and comment."""
     import config
 
-    tree = config.Config() if tree is None else tree
-    notes = field_notes(type(tree))
     out = []
-    for f in dataclasses.fields(tree):
-        value = getattr(tree, f.name)
-        if dataclasses.is_dataclass(value):
-            out += config_leaves(value, f"{prefix}{f.name}.")
-        elif f.name == "envs":
-            out += config_leaves(value[0], f"{prefix}envs.0.")
-        else:
-            annotation, comment = notes[f.name]
-            where = os.path.relpath(sys.modules[type(tree).__module__].__file__, ROOT)
-            out.append(Leaf(prefix + f.name, annotation, value, comment, where))
+    for key in walk_lib.leaves():
+        *path, name = key.split(".")
+        owner = config.Config()
+        for part in path:  # envs.0.name: the first EnvSpec of the list
+            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+        annotation, comment = field_notes(type(owner))[name]
+        where = os.path.relpath(sys.modules[type(owner).__module__].__file__, ROOT)
+        out.append(Leaf(key, annotation, getattr(owner, name), comment, where))
     return out
 
 
