@@ -419,6 +419,25 @@ def test_no_function_over_its_budget(name):
             assert n <= CLASS_BUDGETS[name, short], f"{name}.py: {qual} is {n} code tokens"
 
 
+def test_the_layout_page_states_the_budgets_the_tests_hold():
+    """docs/layout.md's table of budgets gives the numbers above (as the sums they are written
+    as: a value at 2ae1af6, plus or minus the code that moved)."""
+    with open(os.path.join(ROOT, "docs", "layout.md")) as f:
+        rows = dict(re.findall(r"^\| (.+?) \| ([\d,]+(?: [-+] [\d,]+)?)", f.read(), re.M))
+    stated = {}
+    for label, value in rows.items():
+        first, *moved = value.replace(",", "").split(" ")
+        stated[label] = int(first) + (int(moved[0] + moved[1]) if moved else 0)
+    assert stated["a core file"] == CORE_FILE_TOKENS
+    assert stated["the core, all of it"] == CORE_TOTAL_TOKENS
+    assert stated["a function"] == FUNCTION_TOKENS
+    assert stated["`train.main`"] == FUNCTION_BUDGETS["train", "main"]
+    assert stated["`rollout.TorchEngine`"] == CLASS_BUDGETS["rollout", "TorchEngine"]
+    assert stated["`README.md`"] == README_LINES
+    for name, budget in FILE_TOKENS.items():
+        assert stated[f"`{name}.py`"] == budget, name
+
+
 def test_the_exceptions_and_budgets_name_what_exists():
     """A renamed or shortened exception must not keep its licence silently."""
     for name, short in FUNCTION_EXCEPTIONS:
