@@ -102,6 +102,9 @@ class RolloutConfig:
     top_k: int = 0
     max_tokens: int = 96  # new tokens per assistant turn at most
     max_batch_size: int = 256  # sequences the engine decodes at once
+    # torch engine: prompts run through the model this many tokens at a time, so a long prompt's
+    # prefill takes memory linear in its length (wings/long_context.py)
+    prefill_chunk_tokens: int = 2048
     # torch engine: keep the keys/values of up to this many positions between calls, so a turn
     # prefills only its new tokens (wings/prefix_cache.py); 0: off
     prefix_cache_tokens: int = 0
@@ -543,6 +546,10 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.rollout.top_k < 0:
         raise ValueError(f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off)")
+    if cfg.rollout.prefill_chunk_tokens < 1:
+        raise ValueError(
+            f"rollout.prefill_chunk_tokens={cfg.rollout.prefill_chunk_tokens} must be >= 1"
+        )
     if cfg.eval.n_samples < 1:
         raise ValueError(
             f"eval.n_samples={cfg.eval.n_samples} must be >= 1 (episodes per held-out task)"

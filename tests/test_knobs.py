@@ -222,6 +222,13 @@ KNOBS: dict[str, Knob] = {
         why="the engine's one generator is drawn batch by batch, so the "
         "samples depend on it (rollout.TorchEngine says so)",
     ),
+    "rollout.prefill_chunk_tokens": Knob(
+        "8",
+        (),
+        INERT,
+        "a memory knob: later chunks attend to the cached keys (wings/long_context.py), the "
+        "same attention up to float rounding",
+    ),
     "rollout.prefix_cache_tokens": Knob("4096"),
     "rollout.decode": Knob(
         "fast",

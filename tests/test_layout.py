@@ -64,6 +64,7 @@ WINGS = [
         "external_agent",
         "memory",
         "fast_decode",
+        "long_context",
     )
 ]
 # serve's
@@ -108,6 +109,9 @@ WING_IMPORTS = {
     "wings/serve_anthropic": {"wings/serve_http"},
     # QLoRA is LoRA on an NF4 base: its layers are LoRALinear
     "wings/qlora": {"wings/lora"},
+    # a push into `vllm serve` follows vLLM's rules for what a push holds (folder_push,
+    # with_tied_head)
+    "wings/engine_openai": {"wings/engine_vllm"},
 }
 # HumanEval grades with the code world's run_grading
 WORLD_IMPORTS = {"envs/env_humaneval": {"envs/env_code"}}
@@ -129,7 +133,8 @@ FILE_TOKENS = {
     # the catalogue of every loss and advantage, read top to bottom; + 62: algos.at_last, the
     # reward placement that train.compute_advantages and turn_credit each wrote out
     "algos": 4385 + 62,
-    "config": 2901,
+    # + 18: rollout.prefill_chunk_tokens and its check (long contexts)
+    "config": 2901 + 18,
     "train": 3563 - 62,
 }
 CORE_TOTAL_TOKENS = 48899  # the whole core: it may not grow
@@ -142,7 +147,10 @@ FUNCTION_EXCEPTIONS = {
 }
 # the loop, read as its numbered steps; + 48: the sampling SyncSchedule.take did, now in main
 FUNCTION_BUDGETS = {("train", "main"): 983 + 48}
-CLASS_BUDGETS = {("rollout", "TorchEngine"): 1492}  # the reference engine, read in one sitting
+# the reference engine, read in one sitting; + 108: long contexts (prefill, which hands a prompt
+# longer than a chunk to wings/long_context.py, its chunk size, the KV cache's reserve, the decode
+# step without a mask), while the vLLM push helpers left rollout.py for wings/engine_vllm.py
+CLASS_BUDGETS = {("rollout", "TorchEngine"): 1492 + 108}
 README_LINES = 320
 
 

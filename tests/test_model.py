@@ -15,7 +15,8 @@ from conftest import need
 
 transformers = need("transformers", "the logits-parity oracle")
 
-from model import KVCache, ModelConfig, Transformer, init_model, load_model, save_model, train_flops
+from rollout import KVCache
+from model import ModelConfig, Transformer, init_model, load_model, save_model, train_flops
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -18,8 +18,8 @@ from rollout import (
     logprob_gap,
     sample_tokens,
     sync_probe,
-    weight_buckets,
 )
+from wings.engine_vllm import weight_buckets
 
 PAD, VOCAB = 0, 64
 # different lengths, so the batch is left-padded

@@ -19,7 +19,7 @@ optionally with new weights swapped into generations in flight (rollout.partial_
 The learner corrects the staleness with learner.off_policy (algos.off_policy_weights). Docs:
 docs/async.md.
 
-Imports: rollout.py, model.py, runs.py (and torch, the standard library).
+Imports: rollout.py, runs.py (and torch, the standard library).
 """
 
 import json
@@ -32,8 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from model import KVCache
-from rollout import TorchEngine
+from rollout import DECODE_RESERVE, KVCache, TorchEngine
 from runs import load_pending
 
 
@@ -546,9 +545,14 @@ class ConcurrentEngine(TorchEngine):
         ids[:, prompt_end:] = tokens[rows, : P - prompt_end]
         positions = (real[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (b, P) real tokens only
         fresh = KVCache(
-            self.model.cfg, len(rows), cache.max_len, dtype=cache.k[0].dtype, device=device
+            self.model.cfg,
+            len(rows),
+            cache.max_len,
+            dtype=cache.k[0].dtype,
+            device=device,
+            reserve=P + DECODE_RESERVE,
         )
-        return fresh, self.model.hidden_states(ids, positions, real, fresh)[:, -1:]
+        return fresh, self.prefill(ids, positions, real, fresh)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None):
         """rollout.TorchEngine.update_weights; `version` (default: one more than the latest) tags

@@ -14,7 +14,8 @@ After every push the server's weight version must be the one pushed, or update_w
 train.py's weight-sync gate samples through the server like through any engine. Docs:
 docs/engines.md.
 
-Imports: rollout.py (and torch, safetensors, the standard library).
+Imports: rollout.py, wings/engine_vllm.py (what a push holds) (and torch, safetensors, the
+standard library).
 """
 
 import json
@@ -27,14 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors.torch import save as safetensors_save, save_file
 
-from rollout import (
-    Generation,
-    SamplingParams,
-    check_state_dict,
-    folder_push,
-    row_seeds,
-    with_tied_head,
-)
+from rollout import Generation, SamplingParams, check_state_dict, row_seeds
+from wings.engine_vllm import folder_push, with_tied_head
 
 
 def check_config(cfg) -> list:
@@ -319,9 +314,9 @@ class OpenAIEngine:
         /reset_prefix_cache (a cached prefix would keep the old model's keys and values), POST
         /update_weight_version.
 
-        The names and shapes are checked against the model folder first (rollout.folder_push): vLLM
-        loads a partial file without complaint. A tied lm_head.weight is always written
-        (rollout.with_tied_head)."""
+        The names and shapes are checked against the model folder first
+        (engine_vllm.folder_push): vLLM loads a partial file without complaint. A tied
+        lm_head.weight is always written (engine_vllm.with_tied_head)."""
         if not self.model_dir:
             raise ValueError(
                 "the openai engine needs the model folder (model.path) to check a push to "

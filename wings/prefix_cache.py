@@ -10,15 +10,14 @@ keys were computed in another batch layout). Docs: docs/prefix_cache.md.
 
 Shapes: as rollout.py (D distinct prompts, C cache columns holding prefix-cached tokens, S columns
 to prefill, N max new tokens).
-Imports: rollout.py, model.py (and torch, the standard library).
+Imports: rollout.py (and torch, the standard library).
 """
 
 from collections import OrderedDict
 
 import torch
 
-from model import KVCache
-from rollout import TorchEngine
+from rollout import DECODE_RESERVE, KVCache, TorchEngine
 
 
 class PrefixCache:
@@ -163,7 +162,14 @@ class PrefixCachedEngine(TorchEngine):
             ids[i, S - (len(p) - n) :] = torch.tensor(p[n:], dtype=torch.long)
             real[i, C - n : C] = True
             real[i, C + S - (len(p) - n) :] = True  # the rest, then every generated token
-        cache = KVCache(cfg, D, C + S + N, dtype=self.model.lm_head.weight.dtype, device=device)
+        cache = KVCache(
+            cfg,
+            D,
+            C + S + N,
+            dtype=self.model.lm_head.weight.dtype,
+            device=device,
+            reserve=C + S + min(N, DECODE_RESERVE),
+        )
         for i, (n, eid) in enumerate(hits):
             if n:
                 _, k, v = self.prefix_cache.get(eid)
