@@ -37,10 +37,11 @@ TorchEngine hooks do something) are served one request at a time.
 
 Shapes: b rows in the batch, V vocab, H hidden, W cache columns, S prefill columns, D distinct
 prompts prefilled.
-Imports: model.py (KVCache), algos.py (the top-k / top-p set), rollout.py (SamplingParams,
-Generation, TorchEngine) (and torch, the standard library).
+Imports: algos.py (the top-k / top-p set), rollout.py (SamplingParams,
+Generation, TorchEngine, KVCache) (and torch, the standard library).
 """
 
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
@@ -50,8 +51,7 @@ from typing import Callable
 import torch
 
 import algos
-from model import KVCache
-from rollout import Generation, SamplingParams, TorchEngine
+from rollout import DECODE_RESERVE, Generation, KVCache, SamplingParams, TorchEngine
 
 # TorchEngine's, which its wings override
 HOOKS = ("_prefill_layout", "_token_boundary", "_decode", "_rows_done", "_store", "draw")
@@ -71,6 +71,33 @@ class Job:
     on_tokens: Callable[[dict[int, list[int]]], None] | None = None
     future: Future = field(default_factory=Future)
     cancelled: bool = False  # its client left: it leaves the batch at the next token boundary
+    bytes: int = 0  # job_bytes: what serving it may hold at most (0: not counted)
+
+
+def job_bytes(model, prompt_len: int, params: SamplingParams, chunk_tokens: int) -> int:
+    """About the most memory serving one request holds, in bytes: its n rows' keys and values at
+    prompt + max_tokens positions (as far as a KVCache can grow), and one prefill chunk's working
+    set (its activations and its own causal mask: chunk x (4 H + 3 I + nh x chunk) fp32 numbers).
+    An estimate for admission (serve.Server's memory budget), not a measurement."""
+    c = model.cfg
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+    kv *= model.lm_head.weight.element_size()
+    chunk = min(prompt_len, chunk_tokens)
+    width = 4 * c.hidden_size + 3 * c.intermediate_size + c.num_attention_heads * chunk
+    return params.n * (prompt_len + params.max_tokens) * kv + 4 * chunk * width
+
+
+def default_memory_budget(device) -> int:
+    """Half the memory free on the engine's device when the server starts, in bytes: the GPU's on
+    CUDA, else the machine's available memory (Linux's MemAvailable)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024 // 2
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def resolve(future: Future, result=None, error: BaseException | None = None):
@@ -175,6 +202,10 @@ class ContinuousBatch:
     def room(self) -> int:
         return self.max_rows - len(self.rows)
 
+    def held_bytes(self) -> int:
+        """What the jobs in the batch may hold at most (job_bytes)."""
+        return sum(run.job.bytes for run in self.runs)
+
     @torch.inference_mode()
     def admit(self, jobs: list[Job]):
         """Prefill the jobs' prompts (each distinct prompt once, left-padded, as TorchEngine's
@@ -199,9 +230,16 @@ class ContinuousBatch:
         if not self.rows:
             self.was_training = self.model.training
             self.model.eval()
-        cache = KVCache(self.model.cfg, D, S + N, dtype=self.model.lm_head.weight.dtype)
+        cache = KVCache(
+            self.model.cfg,
+            D,
+            S + N,
+            dtype=self.model.lm_head.weight.dtype,
+            reserve=S + min(N, DECODE_RESERVE),
+        )
         positions = (real[:, :S].long().cumsum(-1) - 1).clamp(min=0)  # (D, S)
-        h = self.model.hidden_states(ids, positions, real, cache)[source, -1:]  # (b_new, 1, H)
+        # (b_new, 1, H) in chunks, as TorchEngine prefills
+        h = self.engine.prefill(ids, positions, real, cache)[source]
         cache.keep_rows(source)
         real, next_pos = real[source], positions[source, -1:] + 1  # (b_new, S + N), (b_new, 1)
         if self.rows:
@@ -222,7 +260,13 @@ class ContinuousBatch:
         P = max(used, new)  # the new write column
         left = max([r.job.params.max_tokens - r.steps for r in self.runs + runs])
         b_old, b = len(self.rows), len(self.rows) + real.shape[0]
-        merged = KVCache(self.model.cfg, b, P + left, dtype=cache.k[0].dtype)
+        merged = KVCache(
+            self.model.cfg,
+            b,
+            P + left,
+            dtype=cache.k[0].dtype,
+            reserve=P + min(left, DECODE_RESERVE),
+        )
         for layer in range(len(merged.k)):
             for dst, src_old, src_new in ((merged.k, old.k, cache.k), (merged.v, old.v, cache.v)):
                 dst[layer][:b_old, :, P - used : P] = src_old[layer][:, :, first:filled]
@@ -347,8 +391,16 @@ class Scheduler:
     machine's count, and a different count rounds the model's matrix products differently: the same
     count as the trainer's own engine calls keeps a lone request bit-equal to them."""
 
-    def __init__(self, engine, threads: int | None = None, gather_s: float = GATHER_S):
+    def __init__(
+        self,
+        engine,
+        threads: int | None = None,
+        gather_s: float = GATHER_S,
+        memory_budget: int | None = None,
+    ):
         self.engine, self.version, self.threads, self.gather_s = engine, 0, threads, gather_s
+        # bytes the batch's jobs may hold together (job_bytes); None: not counted
+        self.memory_budget = memory_budget
         self.batch = ContinuousBatch(engine, self._finish) if batchable(engine) else None
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
@@ -373,6 +425,10 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: SamplingParams, on_tokens=None) -> Job:
         job = Job(list(prompt), params, on_tokens)
+        if self.memory_budget is not None and self.batch is not None:
+            job.bytes = job_bytes(
+                self.engine.model, len(prompt), params, self.engine.prefill_chunk_tokens
+            )
         with self.cond:
             if self.thread is None:
                 raise RuntimeError("the scheduler is not running: Server.start() it")
@@ -431,8 +487,15 @@ class Scheduler:
             if not self._busy():
                 self._gather()
             jobs, room = [], self.batch.room()
+            # what the batch may hold after admitting `jobs`; an empty batch takes its first job
+            # whatever it needs (serve.Server refuses one that alone exceeds the budget)
+            held = self.batch.held_bytes()
+            budget = self.memory_budget if self.memory_budget is not None else float("inf")
             while self.waiting and self.waiting[0].params.n <= room:
+                if held + self.waiting[0].bytes > budget and (self.batch.runs or jobs):
+                    break
                 room -= self.waiting[0].params.n
+                held += self.waiting[0].bytes
                 jobs.append(self.waiting.popleft())
             return None, jobs
 

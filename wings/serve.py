@@ -81,7 +81,7 @@ from rollout import Generation, SamplingParams, make_engine, row_seeds
 from runs import check_model_folder
 from tool_calls import TOOL_CALL_OPEN
 from wings import serve_anthropic
-from wings.batcher import Job, Scheduler
+from wings.batcher import Job, Scheduler, batchable, default_memory_budget, job_bytes
 from wings.capture import Call, Capture, Sample, Slot
 from wings.serve_http import ClientGone, HTTPServer, Request, RequestError, Stream
 from wings.serve_openai import (
@@ -225,7 +225,11 @@ class Server:
     max_position_embeddings, if it has one); token: the bearer token of /v1/weights and /v1/sessions
     (None: those endpoints are off); session_ttl_s: a session unused for this long is forgotten;
     body_timeout_s: a request body that stops arriving is dropped after this long; threads: torch's
-    CPU threads on the engine thread (None: the caller's; batcher.Scheduler says why)."""
+    CPU threads on the engine thread (None: the caller's; batcher.Scheduler says why);
+    memory_budget_bytes: what the requests served together may hold at most, by batcher.job_bytes
+    (a torch engine's; None: half the memory free at start, batcher.default_memory_budget): a
+    request that alone needs more is refused before any tensor is made, and one that does not fit
+    beside the running ones waits for them."""
 
     def __init__(
         self,
@@ -246,6 +250,7 @@ class Server:
         session_ttl_s: float = 3600.0,
         body_timeout_s: float = 5.0,
         threads: int | None = None,
+        memory_budget_bytes: int | None = None,
     ):
         if chat_format not in CHAT_FORMATS:
             raise ValueError(f"unknown chat_format {chat_format!r}, expected one of {CHAT_FORMATS}")
@@ -276,7 +281,14 @@ class Server:
             body_timeout_s,
         )
         self.capture = Capture(session_ttl_s)
-        self.scheduler = Scheduler(engine, threads)
+        # only a torch engine's memory is this process's to count
+        torch_model = getattr(engine, "model", None) if batchable(engine) else None
+        self.memory_budget = (
+            None
+            if torch_model is None
+            else memory_budget_bytes or default_memory_budget(next(torch_model.parameters()).device)
+        )
+        self.scheduler = Scheduler(engine, threads, memory_budget=self.memory_budget)
         # the weights' version, stamped on every token an engine does not stamp
         self.version = version
         # numbers the tool calls returned (next() is atomic under the GIL)
@@ -382,7 +394,7 @@ class Server:
         top_p = number_field(body, "top_p", 1.0, 0.0, 1.0)
         if top_p <= 0:
             raise RequestError(400, "top_p must be in (0, 1]", "top_p")
-        return SamplingParams(
+        params = SamplingParams(
             n=number_field(body, "n", 1, 1, self.max_n, integer=True),
             temperature=float(number_field(body, "temperature", 1.0, 0.0, 100.0)),
             top_p=float(top_p),
@@ -391,6 +403,21 @@ class Server:
             stop_token_ids=tuple(dict.fromkeys([*stops.token_ids, *extra])),
             seed=number_field(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
         )
+        if self.memory_budget is not None:
+            need = job_bytes(
+                self.engine.model, prompt_len, params, self.engine.prefill_chunk_tokens
+            )
+            if need > self.memory_budget:
+                raise RequestError(
+                    400,
+                    f"This request needs about {need / 2**30:.2f} GiB to serve ({params.n} x "
+                    f"{prompt_len + max_tokens} tokens of keys and values, {prompt_len} in the "
+                    f"prompt and {max_tokens} in the completion), more than this server's memory "
+                    f"budget of {self.memory_budget / 2**30:.2f} GiB: ask for fewer tokens",
+                    key,
+                    code="context_length_exceeded",
+                )
+        return params
 
     def check_model(self, body: dict):
         if body.get("model") != self.model_name and body.get("model") not in self.aliases:
@@ -1053,6 +1080,12 @@ def main(argv: list[str] | None = None):
     )
     p.add_argument("--max-batch-size", type=int, default=256, help="rows sampled together at most")
     p.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="memory the requests served together may hold (default: half of what is free)",
+    )
+    p.add_argument(
         "--session-ttl", type=float, default=3600.0, help="seconds an unused session is kept"
     )
     p.add_argument(
@@ -1087,6 +1120,7 @@ def main(argv: list[str] | None = None):
         aliases=(*names[1:], *ALIASES),
         session_ttl_s=args.session_ttl,
         threads=args.threads,
+        memory_budget_bytes=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
     )
     print(f"serving {server.model_name!r} on {server.start()}", flush=True)
     try:
