@@ -678,7 +678,8 @@ class LocalRollouts:
         self.engine.wake_up()
 
     def shutdown(self):
-        """Nothing to stop: the engine lives and dies with this process."""
+        """The engine is closed if it can be (vLLM's frees its process group now)."""
+        getattr(self.engine, "close", lambda: None)()
 
 
 # -----------------------------------------------------------------------------

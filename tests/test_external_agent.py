@@ -730,7 +730,6 @@ def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path, 
     models = [vllm_model(tok.get_vocab_size(), 0), vllm_model(tok.get_vocab_size(), 1)]
     save_model(models[0], tmp_path / "model")
     write_tokenizer_files(tok, str(tmp_path / "model"), "qwen2.5")
-    saved_env = dict(os.environ)
     engine = VLLMEngine(
         str(tmp_path / "model"),
         dtype="float32",
@@ -779,6 +778,4 @@ def test_the_vllm_engine_is_served_pushed_and_gated_the_same_way(tok, tmp_path, 
         assert rollouts.server.version == 1
     finally:
         rollouts.shutdown()
-        del engine.llm
-        os.environ.clear()
-        os.environ.update(saved_env)
+        engine.close()

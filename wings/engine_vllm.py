@@ -82,6 +82,10 @@ def weight_buckets(
         yield cast(bucket)
 
 
+# what vLLM reads from the environment and sets in it (VLLM_DIST_IDENT, ...), and Inductor's cache
+ENGINE_ENV = ("VLLM_", "TORCHINDUCTOR_")
+
+
 class VLLMEngine:
     """A colocated vllm.LLM in this process: token ids in, token ids and log-probs out, weights
     pushed in place.
@@ -155,6 +159,8 @@ class VLLMEngine:
     ):
         with open(os.path.join(model_dir, "config.json")) as f:
             hf = json.load(f)
+        # the variables vLLM (and this build) set, as they were: close() puts them back
+        self.environ = {k: v for k, v in os.environ.items() if k.startswith(ENGINE_ENV)}
         # set before vllm reads them: the in-process engine (the weight push below needs it), and
         # vLLM's caches in our cache folder rather than ~/.cache
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -301,6 +307,24 @@ class VLLMEngine:
             # prompt that hits them would continue from the old model's context with the new
             # weights, and match neither model
             self.llm.reset_prefix_cache()
+
+    def close(self):
+        """Shut vLLM down now, with the torch.distributed process group it made in this process,
+        and put back the environment variables it set. In-process vLLM engines share the one
+        default process group, and an engine left to the garbage collector shuts that group down
+        whenever the collector gets to it, under whatever engine runs then: the engine tests
+        depended on their order this way (issue 44). The engine cannot generate after; a second
+        close does nothing."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        for k in [k for k in os.environ if k.startswith(ENGINE_ENV)]:
+            del os.environ[k]
+        os.environ.update(self.environ)
 
     def sleep(self):
         """Free the GPU for the learner: level 1 moves the weights to CPU memory and drops the KV
