@@ -663,7 +663,7 @@ def test_a_game_textworld_cannot_generate_is_replaced_by_the_next_draw(tmp_path,
 
 
 @pytest.mark.slow
-def test_on_ray_env_workers_and_rollout_workers(held, cache, tmp_path_factory):
+def test_on_ray_env_workers_and_rollout_workers(held, cache, tmp_path_factory, own_environ):
     """The env on Ray (the pattern of tests/test_ray.py): a copy on an EnvWorker (pickled, its pool
     empty) steps tw_act as this process does; episodes of the tiny model with env steps on that
     worker, and on a RolloutWorker that builds the env from its kwargs (async_batch_bounded), are

@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # tiny: the session's default model, built once
 from test_train import TINY, tiny  # noqa: E402,F401
+from conftest import environ_restored  # noqa: E402
 
 import config  # noqa: E402
 
@@ -666,21 +667,23 @@ class Walk:
         except (ValueError, KeyError, TypeError) as e:
             return "refused", str(e)
         threads = torch.get_num_threads()
-        try:
-            run_dir = main(cfg)["run_dir"]
-        except Exception as e:  # before the first record: refused; after it: the run broke
-            logged = glob.glob(os.path.join(sandbox, "**", "metrics.jsonl"), recursive=True)
-            if isinstance(e, (ValueError, KeyError, TypeError)) and not any(
-                os.path.getsize(p) for p in logged
-            ):
-                return "refused", str(e)
-            return "error", f"{type(e).__name__}: {e}"
-        finally:
-            torch.set_num_threads(threads)  # `threads` sets a process-wide count
-            ray = sys.modules.get("ray")
-            if ray is not None and ray.is_initialized():
-                # a run that failed leaves its local Ray up
-                ray.shutdown()
+        # a run on Ray starts a local cluster, which sets its variables for the process
+        with environ_restored():
+            try:
+                run_dir = main(cfg)["run_dir"]
+            except Exception as e:  # before the first record: refused; after it: the run broke
+                logged = glob.glob(os.path.join(sandbox, "**", "metrics.jsonl"), recursive=True)
+                if isinstance(e, (ValueError, KeyError, TypeError)) and not any(
+                    os.path.getsize(p) for p in logged
+                ):
+                    return "refused", str(e)
+                return "error", f"{type(e).__name__}: {e}"
+            finally:
+                torch.set_num_threads(threads)  # `threads` sets a process-wide count
+                ray = sys.modules.get("ray")
+                if ray is not None and ray.is_initialized():
+                    # a run that failed leaves its local Ray up
+                    ray.shutdown()
         return "ran", observe(
             sandbox, run_dir, model_folder(cfg) if cfg.model.path == "default" else None
         )

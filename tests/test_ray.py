@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import need
+from conftest import need, environ_restored
 
 ray = need("ray", "a runtime dependency: bash setup.sh installs it")
 
@@ -44,19 +44,20 @@ def cluster(tiny, tmp_path_factory):
     from sft import build_default_model
 
     model_dir = build_default_model(tiny())
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        log_to_driver=False,
-    )
-    spec = WorkerSpec(model_dir=model_dir, envs=[("toy_math", {})], agent=AGENT, threads=1)
-    pg = make_placement_group(2, cpus=0.5)
-    workers = start_rollout_workers(spec, 2, pg)
-    env_workers = start_env_workers({"toy_math": make_env("toy_math")}, model_dir, 2, cpus=0.25)
-    yield {"model_dir": model_dir, "workers": workers, "env_workers": env_workers}
-    ray.shutdown()
+    with environ_restored():
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            _temp_dir=str(tmp_path_factory.mktemp("ray")),
+            log_to_driver=False,
+        )
+        spec = WorkerSpec(model_dir=model_dir, envs=[("toy_math", {})], agent=AGENT, threads=1)
+        pg = make_placement_group(2, cpus=0.5)
+        workers = start_rollout_workers(spec, 2, pg)
+        env_workers = start_env_workers({"toy_math": make_env("toy_math")}, model_dir, 2, cpus=0.25)
+        yield {"model_dir": model_dir, "workers": workers, "env_workers": env_workers}
+        ray.shutdown()
 
 
 def local_engine(model_dir):
