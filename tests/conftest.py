@@ -39,8 +39,9 @@ def process_state() -> dict:
     torch, OpenMP, vLLM and Ray read when an engine is built, a torch.distributed process group and
     a Ray cluster."""
     prefixes = ("VLLM_", "OMP_", "MKL_", "TORCH", "RAY_", "CUDA_", "NANO_SKYRL")
-    # set once by `import ray` itself, in whichever test imports it first
-    imported = ("RAY_CLIENT_MODE",)
+    # set once, in whichever test first gets there: by `import ray` itself, and by Inductor the first
+    # time it looks for its cache
+    imported = ("RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR")
     return {
         "threads": torch.get_num_threads(),
         "set_num_threads": torch.set_num_threads,
@@ -76,6 +77,15 @@ def own_environ():
     """The test's changes to os.environ undone after it (environ_restored)."""
     with environ_restored():
         yield
+
+
+@pytest.fixture
+def own_threads():
+    """torch's thread count put back after the test: for a test that runs train.main in-process
+    with another `threads` (main sets a process-wide count, as a program should)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def state_changes(before: dict, after: dict) -> dict:

@@ -165,7 +165,7 @@ def test_full_state_dict_and_training_match_one_process(grads):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=STEP_GRAD_TOL)
 
 
-def test_train_py_under_torchrun_matches_one_process(tiny, tmp_path):
+def test_train_py_under_torchrun_matches_one_process(tiny, tmp_path, own_threads):
     """`torchrun --nproc_per_node 2 train.py` for 2 steps, from an empty model cache: rank 0 builds
     the default model by itself while rank 1 waits (distributed.alone), the same model one process
     builds; rank 0 alone writes metrics.jsonl (one record per step) and the checkpoint; the rollouts

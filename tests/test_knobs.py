@@ -634,8 +634,6 @@ class Walk:
         self.cache_dir = os.path.dirname(model_dir)
         # the overrides of a run -> ("ran" | "refused" | "error", what)
         self.results: dict[tuple, tuple] = {}
-        # ray.rollout_workers: a local Ray, as tests/test_ray.py
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     def cached(self, extra: tuple, name: str) -> tuple:
         """run(name, extra), once per distinct `extra`."""
@@ -669,6 +667,8 @@ class Walk:
         threads = torch.get_num_threads()
         # a run on Ray starts a local cluster, which sets its variables for the process
         with environ_restored():
+            # ray.rollout_workers: a local Ray, as tests/test_ray.py
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             try:
                 run_dir = main(cfg)["run_dir"]
             except Exception as e:  # before the first record: refused; after it: the run broke
