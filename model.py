@@ -286,8 +286,12 @@ class PrefixKV:
             self.k[layer_idx], self.v[layer_idx] = k, v
             return k, v
         return (
-            torch.cat([self.k[layer_idx][self.rows], k], dim=2),  # (B, nkv, P + S, hd)
-            torch.cat([self.v[layer_idx][self.rows], v], dim=2),
+            # index_select, whose gradient sums a prefix's readers in order: indexing's sums them in
+            # parallel, in an order that changes from run to run on 2 threads
+            torch.cat(
+                [self.k[layer_idx].index_select(0, self.rows), k], dim=2
+            ),  # (B, nkv, P + S, hd)
+            torch.cat([self.v[layer_idx].index_select(0, self.rows), v], dim=2),
         )
 
     def continued(self, rows: torch.Tensor) -> "PrefixKV":
@@ -477,7 +481,8 @@ class Transformer(nn.Module):
             h_sel = h[rows, cols]
         else:
             h, where = self.shared_hidden_states(input_ids, shared)  # (n P + B S, H), (B, T)
-            h_sel = h[where[rows, cols]]
+            # a prefix's states are read by many rows: index_select, as PrefixKV does
+            h_sel = h.index_select(0, where[rows, cols])
         args = score_args[:, 1:][rows, cols] if score is not None else targets
 
         def chunk_logprobs(h_c, tgt_c, args_c):

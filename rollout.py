@@ -216,8 +216,9 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KVCache overflow: {end} positions > max_len {self.max_len}")
         if end > self.k[layer_idx].shape[2]:
-            self.k[layer_idx] = grown(self.k[layer_idx], min(self.max_len, end * 3 // 2))
-            self.v[layer_idx] = grown(self.v[layer_idx], min(self.max_len, end * 3 // 2))
+            columns = min(self.max_len, end * 3 // 2)
+            self.k[layer_idx] = grown(self.k[layer_idx], columns)
+            self.v[layer_idx] = grown(self.v[layer_idx], columns)
         self.k[layer_idx][:, :, self.pos : end] = k
         self.v[layer_idx][:, :, self.pos : end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
