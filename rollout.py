@@ -185,8 +185,9 @@ class KVCache:
     `pos` counts the positions filled. A forward pass with T new tokens writes them at [pos, pos +
     T) in every layer and then advances pos by T (the Transformer does the advance, after the last
     layer). The cache holds max_len positions at most but allocates only `reserve` columns at first
-    (None: all max_len); a write past them grows every layer to 1.5x the columns needed (at most
-    max_len), so a request that may sample 32,000 tokens does not hold them before it samples them.
+    (at most max_len; None: all of them); a write past them grows every layer to 1.5x the columns
+    needed (at most max_len), so a request that may sample 32,000 tokens does not hold them before
+    it samples them.
     """
 
     def __init__(
@@ -383,7 +384,7 @@ class TorchEngine:
             S + N,
             dtype=self.model.lm_head.weight.dtype,
             device=device,
-            reserve=S + min(N, DECODE_RESERVE),
+            reserve=S + DECODE_RESERVE,
         )
         self.prompt_tokens += sum(len(p) for p in distinct)
         self.prefilled_tokens += sum(len(p) for p in distinct)

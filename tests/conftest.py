@@ -39,9 +39,9 @@ def process_state() -> dict:
     torch, OpenMP, vLLM and Ray read when an engine is built, a torch.distributed process group and
     a Ray cluster."""
     prefixes = ("VLLM_", "OMP_", "MKL_", "TORCH", "RAY_", "CUDA_", "NANO_SKYRL")
-    # set once, in whichever test first gets there: by `import ray` itself, and by Inductor the
-    # first time it looks for its cache
-    imported = ("RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR")
+    # set once, in whichever test first gets there: by `import ray` itself, by `import vllm`
+    # (Inductor's compile threads), and by Inductor the first time it looks for its cache
+    imported = ("RAY_CLIENT_MODE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR")
     return {
         "threads": torch.get_num_threads(),
         "set_num_threads": torch.set_num_threads,

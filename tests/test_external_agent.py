@@ -702,13 +702,10 @@ def test_the_agent_process_runs_the_episodes_and_reports_timeouts_as_they_happen
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(own_threads):
     """torch on 1 CPU thread in this thread (as train.py's threads=1 sets it), restored after the
-    test."""
-    before = torch.get_num_threads()
+    test (conftest's own_threads)."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -235,7 +235,7 @@ class ContinuousBatch:
             D,
             S + N,
             dtype=self.model.lm_head.weight.dtype,
-            reserve=S + min(N, DECODE_RESERVE),
+            reserve=S + DECODE_RESERVE,
         )
         positions = (real[:, :S].long().cumsum(-1) - 1).clamp(min=0)  # (D, S)
         # (b_new, 1, H) in chunks, as TorchEngine prefills
@@ -265,7 +265,7 @@ class ContinuousBatch:
             b,
             P + left,
             dtype=cache.k[0].dtype,
-            reserve=P + min(left, DECODE_RESERVE),
+            reserve=P + DECODE_RESERVE,
         )
         for layer in range(len(merged.k)):
             for dst, src_old, src_new in ((merged.k, old.k, cache.k), (merged.v, old.v, cache.v)):

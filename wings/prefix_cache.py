@@ -168,7 +168,7 @@ class PrefixCachedEngine(TorchEngine):
             C + S + N,
             dtype=self.model.lm_head.weight.dtype,
             device=device,
-            reserve=C + S + min(N, DECODE_RESERVE),
+            reserve=C + S + DECODE_RESERVE,
         )
         for i, (n, eid) in enumerate(hits):
             if n:
