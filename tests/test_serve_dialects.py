@@ -408,7 +408,7 @@ def test_a_messages_request_renders_as_the_chat_request_it_stands_for(tok, model
 
 
 @pytest.mark.parametrize(
-    "case", ["image", "thinking", "tool_choice", "no max_tokens", "server tool", "model"]
+    "case", ["image", "thinking budget", "tool_choice", "no max_tokens", "server tool", "model"]
 )
 def test_bad_messages_requests_are_anthropic_errors(torch_server, case):
     anthropic = need("anthropic", "the official client of the Messages API")
@@ -430,7 +430,8 @@ def test_bad_messages_requests_are_anthropic_errors(torch_server, case):
                 }
             ]
         ),
-        "thinking": dict(thinking={"type": "enabled", "budget_tokens": 1024}),
+        # budget_tokens must be under max_tokens (8), as Anthropic requires
+        "thinking budget": dict(thinking={"type": "enabled", "budget_tokens": 1024}),
         "tool_choice": dict(tool_choice={"type": "any"}, tools=anthropic_tools()),
         "no max_tokens": dict(extra_body={"max_tokens": None}),
         "server tool": dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]),

@@ -15,13 +15,15 @@ https://docs.anthropic.com/en/api/messages):
                              this server
   POST /v1/messages          Anthropic's Messages API, translated into a chat request by
                              serve_anthropic.py
+  POST /v1/responses         OpenAI's Responses API, translated into a chat request by
+                             serve_responses.py
   GET  /v1/models            the one served model, with the version of its weights
   POST /v1/weights           a trainer's push (safetensors bytes), authenticated by a bearer token
   GET  /v1/sessions/ID       a session's records (authenticated; ?pop=1 also forgets them)
 OpenAI's request fields are checked, and its stream chunks written, by serve_openai.py.
-The three sampling endpoints stream with stream=true: server-sent events in the dialect's own format
+The four sampling endpoints stream with stream=true: server-sent events in the dialect's own format
 (OpenAI's chunks, tool calls as tool_call deltas, stream_options.include_usage; Anthropic's message
-events). A streamed call is recorded exactly as the same call unstreamed: the answer is built by the
+events; the Responses events). A streamed call is recorded exactly as the same call unstreamed: the answer is built by the
 same code from the same samples, and only the text that can no longer change is sent before the end
 (releasable).
 
@@ -32,6 +34,13 @@ continuous batch (requests in flight share forward passes, each with its own see
 gives the same tokens whatever shares its batch), other engines one request at a time; pushes and
 the weight-sync gate's probe run between batches, so every token's version is known. docs/serve.md
 says what the server promises under load.
+
+Thinking (the Messages and Responses dialects, a thinking chat format: Qwen3): the think block that
+opens an answer is returned apart (split_thinking: Anthropic's thinking blocks, a Responses
+reasoning item), and an answer that reaches Anthropic's thinking.budget_tokens goes on as a second
+engine call after "</think>" is written for it (past_budget). What a dialect accepts and ignores
+is counted per field in Server.ignored (GET /health); docs/serve.md has the table of every field
+the agent harnesses (Claude Code, Codex, Qwen Code) send.
 
 Capture: capture.py. A request names its session by the X-Session-Id header, OpenAI's `user` field
 or Anthropic's metadata.user_id; its place in the session is reserved when the engine is given it
@@ -45,7 +54,8 @@ rollout.sync_probe (through it, or through an OpenAIEngine over HTTP) and rollou
 it after a push like any other engine. Docs: docs/serve.md.
 
 Imports: tool_calls.py, chat.py, rollout.py, runs.py (the CLI's folder check), wings/capture.py,
-wings/batcher.py, wings/serve_http.py, wings/serve_openai.py, wings/serve_anthropic.py (and torch,
+wings/batcher.py, wings/serve_http.py, wings/serve_openai.py, wings/serve_anthropic.py,
+wings/serve_responses.py (and torch,
 safetensors, tokenizers, the standard library).
 """
 
@@ -61,7 +71,7 @@ import os
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -80,7 +90,7 @@ from chat import (
 from rollout import Generation, SamplingParams, make_engine, row_seeds
 from runs import check_model_folder
 from tool_calls import TOOL_CALL_OPEN
-from wings import serve_anthropic
+from wings import serve_anthropic, serve_responses
 from wings.batcher import Job, Scheduler, batchable, default_memory_budget, job_bytes
 from wings.capture import Call, Capture, Sample, Slot
 from wings.serve_http import ClientGone, HTTPServer, Request, RequestError, Stream
@@ -102,7 +112,13 @@ SAMPLING = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
+# the dialects translated into a chat request (serve_anthropic.py, serve_responses.py)
+DIALECTS = {"messages": serve_anthropic, "responses": serve_responses}
+# the chat formats whose model thinks in a <think> block that opens its answer
+THINKING_FORMATS = ("qwen3",)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 POLL_S = 0.25  # how often the watchdog looks for clients that left (Server.watch)
 
 
@@ -125,7 +141,9 @@ class Prepared:
     """A checked request, ready for the engine: its prompts (chat: one) and how its answer
     is built."""
 
-    endpoint: str  # "chat" | "completions" | "messages" (Anthropic's, served as chat)
+    # "chat" | "completions" | "messages" | "responses" (Anthropic's and OpenAI's Responses, served
+    # as chat)
+    endpoint: str
     prompts: list[list[int]]  # (k, P) the ids the engine is given
     # seed: the request's (each of k > 1 prompts gets its rollout.row_seeds seed)
     params: SamplingParams
@@ -138,6 +156,13 @@ class Prepared:
     # streaming: text held back until it cannot change (None: all of it)
     holds: tuple[str, ...] | None = ()
     include_usage: bool = False  # streaming: stream_options.include_usage
+    # messages, responses: the think block answered apart, as thinking / reasoning (split_thinking)
+    think: bool = False
+    # responses: the request as sent (its answer echoes its settings)
+    request: dict | None = None
+    # a thinking budget (Anthropic's budget_tokens): params.max_tokens is the budget, and an answer
+    # that reaches it goes on, as a second job, to this many tokens in all (Server.past_budget)
+    max_tokens: int | None = None
 
     @property
     def chat(self) -> bool:
@@ -160,6 +185,26 @@ def releasable(text: str, holds: tuple[str, ...] | None) -> str:
                 cut = min(cut, len(text) - k)
                 break
     return text[:cut].rstrip().rstrip("\ufffd").rstrip()
+
+
+def split_thinking(text: str, final: bool = True) -> tuple[str | None, str]:
+    """A thinking format's answer -> (its reasoning, the text after it), as the Messages and
+    Responses dialects return them: the text of the <think> block that opens the answer without the
+    newlines around it, and the rest without the newlines that begin it (chat.render writes both
+    back so). None: the answer opens no think block. A partial answer (final=False) keeps back what
+    may still change: a beginning of <think> or </think> at its end."""
+    if not text.startswith(THINK_OPEN):
+        if not final and THINK_OPEN.startswith(text):
+            return None, ""
+        return None, text
+    close = text.find(THINK_CLOSE)
+    if close >= 0:
+        after = text[close + len(THINK_CLOSE) :]
+        return text[len(THINK_OPEN) : close].strip("\n"), after.lstrip("\n")
+    reasoning = text[len(THINK_OPEN) :]
+    if not final:
+        reasoning = releasable(reasoning, (THINK_CLOSE,))
+    return reasoning.strip("\n"), ""
 
 
 class PrefixEncoder:
@@ -281,6 +326,8 @@ class Server:
             body_timeout_s,
         )
         self.capture = Capture(session_ttl_s)
+        # "dialect:field" -> the requests that sent a field this server ignores (GET /health)
+        self.ignored: Counter[str] = Counter()
         # only a torch engine's memory is this process's to count
         torch_model = getattr(engine, "model", None) if batchable(engine) else None
         self.memory_budget = (
@@ -719,10 +766,16 @@ class Server:
         )
 
     def answer(
-        self, prep: Prepared, gens: list[list[Generation]]
+        self,
+        prep: Prepared,
+        gens: list[list[Generation]],
+        before: tuple[Generation, list[int]] | None = None,
     ) -> tuple[dict, list[Call], list[str | None]]:
         """The engine's samples (per prompt) -> (the OpenAI reply, one Call per prompt, each
-        choice's stop string)."""
+        choice's stop string). before: an answer that went on past its thinking budget (its first
+        job's generation, the ids that closed its think block), its second job's in `gens`."""
+        if before is not None:
+            return self.answer_past_budget(prep, gens[0][0], *before)
         build = self.chat_choice if prep.chat else self.completion_choice
         choices, calls, stop_texts = [], [], []
         for prompt, per_prompt in zip(prep.prompts, gens):
@@ -733,12 +786,53 @@ class Server:
                 samples.append(sample)
                 stop_texts.append(stop_text)
             calls.append(Call(prep.endpoint, list(prompt), samples, messages=prep.messages))
+        for choice in choices if prep.think else []:
+            # a copy: the Sample records the message as a chat completion returns it
+            reasoning, content = split_thinking(choice["message"]["content"] or "")
+            choice["message"] = {
+                **choice["message"],
+                "content": content or None,
+                "reasoning_content": reasoning,
+            }
         kind = "chat.completion" if prep.chat else "text_completion"
         return (
             self.reply(kind, choices, sum(len(p) for p in prep.prompts), calls),
             calls,
             stop_texts,
         )
+
+    def answer_past_budget(
+        self, prep: Prepared, g: Generation, first: Generation, added: list[int]
+    ) -> tuple[dict, list[Call], list[str | None]]:
+        """An answer sampled by two jobs (past_budget): the reply of the whole text, and two Calls,
+        each with what its job sampled, so the ids that closed the think block are recorded as
+        prompt ids (the second call's), never as sampled ones."""
+        pad = len(added)
+        joined = Generation(
+            first.token_ids + added + g.token_ids,
+            first.logprobs + [0.0] * pad + g.logprobs,
+            g.finish_reason,
+            versions=first.versions + first.versions[-1:] * pad + g.versions,
+            kept_sizes=first.kept_sizes + [0] * pad + g.kept_sizes if first.kept_sizes else [],
+        )
+        reply, (call,), stop_texts = self.answer(prep, [[joined]])
+        whole, at = call.samples[0], len(first.token_ids) + pad
+        cut = {
+            k: getattr(whole, k)[at:] for k in ("token_ids", "logprobs", "kept_sizes", "versions")
+        }
+        head = Sample(
+            list(first.token_ids),
+            list(first.logprobs),
+            list(first.kept_sizes),
+            list(first.versions),
+            first.finish_reason,
+        )
+        rest = replace(call, prompt_ids=call.prompt_ids + head.token_ids + added)
+        calls = [replace(call, samples=[head]), replace(rest, samples=[replace(whole, **cut)])]
+        sampled = len(head.token_ids) + len(cut["token_ids"])
+        usage = reply["usage"]
+        usage.update(completion_tokens=sampled, total_tokens=usage["prompt_tokens"] + sampled)
+        return reply, calls, stop_texts
 
     def token_logprobs(self, g: Generation, as_ids: bool) -> list[dict]:
         tokens = [
@@ -768,14 +862,37 @@ class Server:
     # -- the sampling endpoints
     # ------------------------------------------------------------------------------------
 
+    def translate(self, endpoint: str, body: dict) -> tuple[dict, str | None, dict]:
+        """A Messages or Responses request -> (the chat request it stands for, the session it names,
+        how its answer is built: Prepared's think and request). Whether the model thinks: a thinking
+        format (Qwen3) as the request says; another format serves a request that asks for thinking
+        without it, counted. Every field ignored is counted in self.ignored."""
+        chat, session, ignored, think = DIALECTS[endpoint].to_chat(body)
+        thinks = self.chat_format in THINKING_FORMATS
+        if think and not thinks:
+            ignored.append("thinking")
+        if thinks and think is not None:
+            chat["chat_template_kwargs"] = {"enable_thinking": think is not False}
+        for name in ignored:
+            self.ignored[f"{endpoint}:{name}"] += 1
+        answer = {
+            "think": thinks and think is not False,
+            "request": body if endpoint == "responses" else None,
+        }
+        # True is an int too: only a number of tokens is a budget
+        if thinks and type(think) is int:
+            answer["max_tokens"] = think
+        return chat, session, answer
+
     async def sample(self, request: Request, endpoint: str) -> dict | Stream:
-        """POST /v1/chat/completions, /v1/completions or /v1/messages: checked, reserved in its
-        session (serving order), handed to the engine, answered (or streamed) and recorded once its
-        answer is complete."""
+        """POST /v1/chat/completions, /v1/completions, /v1/messages or /v1/responses: checked,
+        reserved in its session (serving order), handed to the engine, answered (or streamed) and
+        recorded once its answer is complete."""
         body = await request.json(self.max_body_bytes)
         session = request.header("x-session-id")
-        if endpoint == "messages":
-            body, user = serve_anthropic.to_chat(body)
+        answer = {}
+        if endpoint in DIALECTS:
+            body, user, answer = self.translate(endpoint, body)
             session = session or user
         session = session or body.get("user")
         if session is not None and not isinstance(session, str):
@@ -784,10 +901,14 @@ class Server:
         prep = (
             self.prepare_completions(body)
             if endpoint == "completions"
-            else self.prepare_chat(body, endpoint)
+            else replace(self.prepare_chat(body, endpoint), **answer)
         )
-        if endpoint == "messages" and prep.params.n != 1:
+        if endpoint in DIALECTS and prep.params.n != 1:
             raise RequestError(400, "n: one message per request", "n")
+        if prep.max_tokens is not None:
+            # the first job samples the thinking budget; the answer may go on to max_tokens
+            budget = replace(prep.params, max_tokens=min(prep.max_tokens, prep.params.max_tokens))
+            prep = replace(prep, params=budget, max_tokens=prep.params.max_tokens)
         slots = [self.capture.reserve(session) for _ in prep.prompts]
         queue = asyncio.Queue() if body.get("stream") else None
         jobs = self.submit(prep, queue)
@@ -795,15 +916,46 @@ class Server:
             return Stream(self.stream(request, prep, jobs, slots, queue))
         try:
             gens = await self.wait(request, jobs)
+            more, before = self.past_budget(prep, gens[0][0]), None
+            if more is not None:  # the answer goes on past its thinking budget
+                before = gens[0][0], more[1]
+                slots.append(self.capture.reserve(session))
+                jobs += self.submit(replace(prep, prompts=[more[0]], params=more[2]), None)
+                gens = await self.wait(request, jobs[1:])
             if request.gone():  # its answer would reach nobody: not recorded (a resend will be)
                 raise ClientGone()
         except BaseException as e:
             self.drop(jobs, slots, disconnected=isinstance(e, ClientGone))
             raise
-        reply, calls, stop_texts = self.answer(prep, gens)
+        reply, calls, stop_texts = self.answer(prep, gens, before)
         for slot, call in zip(slots, calls):
             self.capture.record(slot, call)
-        return serve_anthropic.message(reply, stop_texts[0]) if endpoint == "messages" else reply
+        if endpoint == "messages":
+            return serve_anthropic.message(reply, stop_texts[0])
+        if endpoint == "responses":
+            return serve_responses.response(reply, prep.request)
+        return reply
+
+    def past_budget(
+        self, prep: Prepared, g: Generation
+    ) -> tuple[list[int], list[int], SamplingParams] | None:
+        """A thinking answer whose first job used up the thinking budget goes on as a second job:
+        from the prompt, the answer so far and, when its think block is still open, the ids of
+        "\n</think>\n\n", which close it (not sampled, so never trained) -> (that prompt, the ids
+        added, its params: the tokens left of max_tokens), or None when the answer is complete."""
+        if prep.max_tokens is None or g.finish_reason != "length":
+            return None
+        text = self.tokenizer.decode(g.token_ids, skip_special_tokens=False)
+        if any(stop in text for stop in prep.stops.texts):
+            return None
+        close = "" if THINK_CLOSE in text else "\n" + THINK_CLOSE + "\n\n"
+        added = encode(self.tokenizer, close) if close else []
+        left = prep.max_tokens - len(g.token_ids) - len(added)
+        if left < 1:
+            return None
+        seed = None if prep.params.seed is None else prep.params.seed + 1
+        params = replace(prep.params, max_tokens=left, seed=seed)
+        return prep.prompts[0] + list(g.token_ids) + added, added, params
 
     def submit(self, prep: Prepared, queue: asyncio.Queue | None) -> list[Job]:
         """A Job per prompt (one prompt: the request's seed; k > 1: rollout.row_seeds). With a
@@ -875,35 +1027,45 @@ class Server:
         message_stop), and taken back if that event cannot be written. A client that leaves first is
         not recorded."""
         reply_id, n = f"chatcmpl-{time.time_ns()}", prep.params.n
-        fmt = (
-            serve_anthropic.Events(reply_id, self.model_name, len(prep.prompts[0]))
-            if prep.endpoint == "messages"
-            else (ChatChunks if prep.chat else CompletionChunks)(
-                reply_id, self.model_name, prep.include_usage
-            )
-        )
-        ids, sent = [[] for _ in range(len(jobs) * n)], [""] * (len(jobs) * n)
+        if prep.endpoint == "messages":
+            fmt = serve_anthropic.Events(reply_id, self.model_name, len(prep.prompts[0]))
+        elif prep.endpoint == "responses":
+            fmt = serve_responses.Events(reply_id, self.model_name, prep.request)
+        else:
+            chunks = ChatChunks if prep.chat else CompletionChunks
+            fmt = chunks(reply_id, self.model_name, prep.include_usage)
+        ids = [[] for _ in range(len(jobs) * n)]
+        # per choice, what was sent: [its reasoning (None: none yet), its text]
+        sent = [[None, ""] for _ in range(len(jobs) * n)]
         outcome = "gone"
         try:
             for event in fmt.start(len(ids)):
                 yield event
-            ended, self.inflight[request] = 0, jobs
+            ended, self.inflight[request], before = 0, jobs, None
             while ended < len(jobs):
                 # a step's tokens, or a job's end (the watchdog's cancel included)
                 i, new = await queue.get()
                 if request.gone() or any(job.future.cancelled() for job in jobs):
                     raise ClientGone()
                 ended += new is None
+                first = jobs[0].future
+                if new is None and len(jobs) == 1 and first.exception() is None:
+                    more = self.past_budget(prep, first.result()[0])
+                    if more is not None:  # the answer goes on past its thinking budget
+                        before = first.result()[0], more[1]
+                        slots.append(self.capture.reserve(slots[0].session))
+                        jobs += self.submit(replace(prep, prompts=[more[0]], params=more[2]), queue)
+                        new = {0: more[1]}
                 for s, tokens in (new or {}).items():
                     c = i * n + s
                     ids[c] += tokens
                     text = releasable(self.text_of(prep, ids[c]), prep.holds)
-                    if len(text) > len(sent[c]):
-                        for event in fmt.text(c, text[len(sent[c]) :]):
-                            yield event
-                        sent[c] = text
+                    pieces = split_thinking(text, final=False) if prep.think else (None, text)
+                    for event in self.deltas(fmt, c, sent[c], *pieces):
+                        yield event
             try:
-                reply, calls, stop_texts = self.answer(prep, [job.future.result() for job in jobs])
+                gens = [job.future.result() for job in jobs]
+                reply, calls, stop_texts = self.answer(prep, gens[-1:] if before else gens, before)
             except Exception as e:  # the engine failed: an error event, nothing recorded
                 outcome = "error"
                 for event in fmt.error(
@@ -912,12 +1074,14 @@ class Server:
                     yield event
                 return
             for c, choice in enumerate(reply["choices"]):
-                final = (choice["message"]["content"] or "") if prep.chat else choice["text"]
-                # releasable() sent only what stays
-                assert final.startswith(sent[c]), (final, sent[c])
-                for event in (
-                    fmt.text(c, final[len(sent[c]) :]) if len(final) > len(sent[c]) else []
-                ) + fmt.end(c, choice, stop_texts[c]):
+                if prep.chat:
+                    message = choice["message"]
+                    pieces = message.get("reasoning_content"), message["content"] or ""
+                else:
+                    pieces = None, choice["text"]
+                for event in self.deltas(fmt, c, sent[c], *pieces) + fmt.end(
+                    c, choice, stop_texts[c]
+                ):
                     yield event
             for slot, call in zip(slots, calls):
                 # recorded before the last event: a client that reads its session
@@ -931,6 +1095,23 @@ class Server:
             if outcome != "done":
                 # "recorded": the client left during the last event, taken back here
                 self.drop(jobs, slots, disconnected=outcome in ("gone", "recorded"))
+
+    @staticmethod
+    def deltas(fmt, c: int, sent: list, reasoning: str | None, text: str) -> list[bytes]:
+        """The events that bring choice c's stream from what it sent (sent = [reasoning, text],
+        updated) to these pieces of its answer: the reasoning's new part (fmt.thinking), then the
+        text's (fmt.text). What was sent is a prefix of the pieces: releasable() and
+        split_thinking(final=False) send only what stays."""
+        out = []
+        if reasoning is not None and (sent[0] is None or len(reasoning) > len(sent[0])):
+            assert reasoning.startswith(sent[0] or ""), (reasoning, sent[0])
+            out += fmt.thinking(c, reasoning[len(sent[0] or "") :])
+            sent[0] = reasoning
+        if len(text) > len(sent[1]):
+            assert text.startswith(sent[1]), (text, sent[1])
+            out += fmt.text(c, text[len(sent[1]) :])
+            sent[1] = text
+        return out
 
     # -- the other endpoints
     # ---------------------------------------------------------------------------------------
@@ -993,7 +1174,8 @@ class Server:
             if path == "/v1/models" and method == "GET":
                 return self.models()
             if path == "/health" and method == "GET":
-                return {"status": "ok", "weight_version": self.version}
+                ignored = dict(self.ignored)
+                return {"status": "ok", "weight_version": self.version, "ignored": ignored}
             if path == "/v1/weights" and method == "POST":
                 self.authorize(request)  # before the body: a refused push is not read
                 data = await request.body(self.max_weight_bytes)

@@ -14,15 +14,23 @@ What maps to what:
                                                not rendered)
   assistant text + tool_use blocks          -> an assistant message with tool_calls,
                                                arguments = json of `input`
+  assistant thinking blocks                 -> its reasoning (rendered by a thinking format:
+                                               Qwen3); redacted_thinking: dropped, counted
   tools [{name, description, input_schema}] -> [{"type": "function",
                                                "function": {name, description, parameters}}]
   stop_sequences, metadata.user_id          -> stop, the session (as OpenAI's `user`)
-  the reply: its text, then one tool_use block per tool call (`input` the parsed arguments);
-  stop_reason tool_use, max_tokens, stop_sequence or end_turn.
-Refused (400): images and documents, thinking blocks and `thinking` other than disabled, tool_choice
-other than auto, server tools (a `type` other than custom). `seed` is accepted as an extension
-(Anthropic has none), so a test or a trainer can ask for a seeded sample. Errors on this endpoint
-are Anthropic's error object.
+  thinking {type: enabled, budget_tokens}   -> a thinking format thinks (serve.py: at most
+                                               budget_tokens of it); disabled or absent: it does
+                                               not (Qwen3's empty think block); a format that
+                                               cannot think serves it without, counted
+  the reply: a thinking block when the model thought, its text, then one tool_use block per tool
+  call (`input` the parsed arguments); stop_reason tool_use, max_tokens, stop_sequence or end_turn.
+Refused (400): images and documents, tool_choice other than auto, server tools (a `type` other
+than custom), budget_tokens under 1,024 or not under max_tokens (Anthropic's own rule). IGNORED
+lists the fields accepted without effect (counted), cache_control on blocks is not read, and the
+`beta` query and the anthropic-beta header change nothing; docs/serve.md's table says why for each.
+`seed` is accepted as an extension (Anthropic has none), so a test or a trainer can ask for a
+seeded sample. Errors on this endpoint are Anthropic's error object.
 
 Imports: wings/serve_http.py (RequestError) (and the standard library).
 """
@@ -33,6 +41,8 @@ from wings.serve_http import RequestError
 
 # the same meaning in both
 PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "seed")
+# accepted and ignored: none changes what is sampled (docs/serve.md's field table)
+IGNORED = ("context_management", "service_tier", "container", "mcp_servers")
 
 
 def _blocks(content, where: str) -> list[dict]:
@@ -75,17 +85,22 @@ def _refuse(block: dict, where: str):
     )
 
 
-def _message(m, i: int) -> list[dict]:
-    """One Messages message -> the chat messages it stands for."""
+def _message(m, i: int, ignored: list[str]) -> list[dict]:
+    """One Messages message -> the chat messages it stands for (what is dropped noted in
+    `ignored`)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise RequestError(400, f"{where}.role must be user or assistant", where)
     blocks = _blocks(m.get("content"), f"{where}.content")
     if m["role"] == "assistant":
-        text, calls = [], []
+        text, calls, reasoning = [], [], []
         for j, b in enumerate(blocks):
             if b["type"] == "text":
                 text.append(_text(b, f"{where}.content[{j}]"))
+            elif b["type"] == "thinking" and isinstance(b.get("thinking"), str):
+                reasoning.append(b["thinking"])
+            elif b["type"] == "redacted_thinking":
+                ignored.append("redacted_thinking")
             elif (
                 b["type"] == "tool_use"
                 and isinstance(b.get("name"), str)
@@ -108,6 +123,7 @@ def _message(m, i: int) -> list[dict]:
                 "role": "assistant",
                 "content": "".join(text) or None,
                 **({"tool_calls": calls} if calls else {}),
+                **({"reasoning_content": "".join(reasoning)} if reasoning else {}),
             }
         ]
     out, text = [], []
@@ -145,9 +161,36 @@ def _tools(tools) -> list[dict] | None:
     return out
 
 
-def to_chat(body: dict) -> tuple[dict, str | None]:
+def _thinking(body: dict) -> bool | int:
+    """The request's `thinking` -> False (disabled), True (enabled, no budget: "adaptive") or its
+    budget_tokens."""
+    thinking = body.get("thinking") or {"type": "disabled"}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return False
+    if kind == "adaptive":
+        return True
+    budget = thinking.get("budget_tokens") if kind == "enabled" else None
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise RequestError(
+            400,
+            "thinking must be {type: enabled, budget_tokens: int}, adaptive or disabled",
+            "thinking",
+        )
+    if not 1024 <= budget < body["max_tokens"]:
+        raise RequestError(
+            400,
+            f"thinking.budget_tokens must be at least 1024 and less than max_tokens "
+            f"({body['max_tokens']}), got {budget}",
+            "thinking",
+        )
+    return budget
+
+
+def to_chat(body: dict) -> tuple[dict, str | None, list[str], bool | int]:
     """A Messages request -> (the chat request that serve.Server serves, the session named by
-    metadata.user_id)."""
+    metadata.user_id, the fields ignored or dropped, whether to think: False, True or the thinking
+    budget in tokens)."""
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
         raise RequestError(400, "max_tokens: an integer is required", "max_tokens")
     messages = body.get("messages")
@@ -160,25 +203,32 @@ def to_chat(body: dict) -> tuple[dict, str | None]:
             for b in _blocks(system, "system")
             if b["type"] == "text" or _refuse(b, "system")
         )
-    if (body.get("thinking") or {"type": "disabled"}).get("type") != "disabled":
-        raise RequestError(400, "thinking is not supported by this server", "thinking")
+    think = _thinking(body)
+    output_config = body.get("output_config") or {}
+    if not isinstance(output_config, dict) or output_config.get("format") is not None:
+        raise RequestError(
+            400, "output_config.format (structured outputs) is not supported", "output_config"
+        )
     if (body.get("tool_choice") or {"type": "auto"}).get("type") != "auto":
         raise RequestError(
             400, "tool_choice other than auto is not supported by this server", "tool_choice"
         )
     chat = [{"role": "system", "content": system}] if system is not None else []
+    ignored = [k for k in IGNORED if body.get(k) is not None]
+    ignored += [f"output_config.{k}" for k in output_config]
     for i, m in enumerate(messages):
-        chat += _message(m, i)
+        chat += _message(m, i, ignored)
     metadata = body.get("metadata") or {}
     session = metadata.get("user_id") if isinstance(metadata, dict) else None
     stop = body.get("stop_sequences")
     out = {k: body[k] for k in PASSED if k in body}
-    return {
+    chat_body = {
         **out,
         "messages": chat,
         "tools": _tools(body.get("tools")),
         **({"stop": stop} if stop is not None else {}),
-    }, session
+    }
+    return chat_body, session, ignored, think
 
 
 def stop_reason(choice: dict, stop_text: str | None) -> str:
@@ -190,18 +240,28 @@ def stop_reason(choice: dict, stop_text: str | None) -> str:
 
 
 def content_blocks(message: dict) -> list[dict]:
-    """An OpenAI assistant message -> its Messages content: the text, then a tool_use block
-    per call."""
+    """An OpenAI assistant message -> its Messages content: the thinking (a signature this server
+    does not check), the text, then a tool_use block per call."""
+    reasoning = message.get("reasoning_content")
+    thinking = (
+        [{"type": "thinking", "thinking": reasoning, "signature": ""}]
+        if reasoning is not None
+        else []
+    )
     text = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-    return text + [
-        {
-            "type": "tool_use",
-            "id": c["id"],
-            "name": c["function"]["name"],
-            "input": json.loads(c["function"]["arguments"]),
-        }
-        for c in message.get("tool_calls") or []
-    ]
+    return (
+        thinking
+        + text
+        + [
+            {
+                "type": "tool_use",
+                "id": c["id"],
+                "name": c["function"]["name"],
+                "input": json.loads(c["function"]["arguments"]),
+            }
+            for c in message.get("tool_calls") or []
+        ]
+    )
 
 
 def message(reply: dict, stop_text: str | None) -> dict:
@@ -227,9 +287,10 @@ def _event(kind: str, data: dict) -> bytes:
 
 
 class Events:
-    """The server-sent events of a streamed Messages reply (one choice): message_start, then a text
-    block fed delta by delta, then the tool_use blocks and message_delta / message_stop once the
-    reply is known. The same calls as serve.py's ChatChunks: start, text, end, done."""
+    """The server-sent events of a streamed Messages reply (one choice): message_start, then a
+    thinking block and a text block fed delta by delta, then the tool_use blocks and message_delta /
+    message_stop once the reply is known. The same calls as serve.py's ChatChunks: start, thinking,
+    text, end, done."""
 
     def __init__(self, reply_id: str, model: str, prompt_tokens: int):
         self.id, self.model, self.prompt_tokens = (
@@ -238,7 +299,7 @@ class Events:
             prompt_tokens,
         )
         self.blocks = 0  # content blocks opened
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block being streamed: thinking or text
 
     def start(self, n: int) -> list[bytes]:
         return [
@@ -260,24 +321,36 @@ class Events:
             _event("ping", {}),
         ]
 
-    def text(self, i: int, delta: str) -> list[bytes]:
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        index = self.blocks - 1
+        signature = {"type": "signature_delta", "signature": ""}
+        out = [_event("content_block_delta", {"index": index, "delta": signature})]
+        out = out if self.open == "thinking" else []
+        self.open = None
+        return out + [_event("content_block_stop", {"index": index})]
+
+    def _delta(self, kind: str, delta: dict) -> list[bytes]:
         out = []
-        if not self.text_open:
-            out.append(
-                _event(
-                    "content_block_start",
-                    {"index": 0, "content_block": {"type": "text", "text": ""}},
-                )
-            )
-            self.text_open, self.blocks = True, 1
-        return out + [
-            _event(
-                "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}}
-            )
-        ]
+        if self.open != kind:
+            out += self._close()
+            empty = {"type": "thinking", "thinking": "", "signature": ""}
+            empty = empty if kind == "thinking" else {"type": "text", "text": ""}
+            start = {"index": self.blocks, "content_block": empty}
+            out.append(_event("content_block_start", start))
+            self.open, self.blocks = kind, self.blocks + 1
+        index = self.blocks - 1
+        return out + [_event("content_block_delta", {"index": index, "delta": delta})]
+
+    def thinking(self, i: int, delta: str) -> list[bytes]:
+        return self._delta("thinking", {"type": "thinking_delta", "thinking": delta})
+
+    def text(self, i: int, delta: str) -> list[bytes]:
+        return self._delta("text", {"type": "text_delta", "text": delta})
 
     def end(self, i: int, choice: dict, stop_text: str | None) -> list[bytes]:
-        out = [_event("content_block_stop", {"index": 0})] if self.text_open else []
+        out = self._close()
         for block in content_blocks(choice["message"]):
             if block["type"] != "tool_use":
                 continue
