@@ -69,7 +69,15 @@ WINGS = [
 ]
 # serve's
 WINGS += [
-    "wings/" + n for n in ("serve_http", "serve_openai", "serve_anthropic", "capture", "batcher")
+    "wings/" + n
+    for n in (
+        "serve_http",
+        "serve_openai",
+        "serve_anthropic",
+        "serve_responses",
+        "capture",
+        "batcher",
+    )
 ]
 # what only the worlds share: expert replay and JSON-lines files; the python_exec sandbox of the
 # code worlds
@@ -95,18 +103,20 @@ WING_IMPORTS = {
         # and RunServer refuses with its RequestError
         "wings/serve_http",
     },
-    # the server's parts, each a file of its own (the transport, the two dialects, the records, the
-    # engine thread), imported one way: by serve.py; of them only the dialects import one
+    # the server's parts, each a file of its own (the transport, the three dialects, the records,
+    # the engine thread), imported one way: by serve.py; of them only the dialects import one
     # (RequestError)
     "wings/serve": {
         "wings/serve_http",
         "wings/serve_openai",
         "wings/serve_anthropic",
+        "wings/serve_responses",
         "wings/capture",
         "wings/batcher",
     },
     "wings/serve_openai": {"wings/serve_http"},
     "wings/serve_anthropic": {"wings/serve_http"},
+    "wings/serve_responses": {"wings/serve_http"},
     # QLoRA is LoRA on an NF4 base: its layers are LoRALinear
     "wings/qlora": {"wings/lora"},
     # a push into `vllm serve` follows vLLM's rules for what a push holds (folder_push,
