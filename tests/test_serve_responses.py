@@ -5,8 +5,8 @@ reasoning items).
 Oracles: the official `openai` client's responses.create and responses.stream, and the `anthropic`
 client's messages.create and messages.stream, reading what the server answers; the same request
 unstreamed (a streamed response is the same record and the same response); our agent loop (a
-Responses client's episode is the trajectory agent.run_episodes builds, token for token); chat.render
-(a conversation sent back with its thinking re-renders the very text sampled).
+Responses client's episode is the trajectory agent.run_episodes builds, token for token);
+chat.render (a conversation sent back with its thinking re-renders the very text sampled).
 """
 
 import copy
@@ -424,9 +424,9 @@ class ThinkingAtLength(ScriptedEngine):
 
 def test_a_thinking_budget_closes_the_think_block_and_the_closing_is_not_trained(tok):
     """thinking.budget_tokens = 1024 on a model that thinks on: the first 1024 tokens are its
-    thinking, "\\n</think>\\n\\n" closes the block (the server's ids, not the model's), and the answer
-    goes on within max_tokens. Two calls in the capture, one row: the closing ids are prompt ids
-    (mask 0), every sampled token is trained; streamed equals unstreamed."""
+    thinking, "\\n</think>\\n\\n" closes the block (the server's ids, not the model's), and the
+    answer goes on within max_tokens. Two calls in the capture, one row: the closing ids are
+    prompt ids (mask 0), every sampled token is trained; streamed equals unstreamed."""
     anthropic = need("anthropic", "the official client of the Messages API")
     task = calc_task(0, 2, 3)
     engine = ThinkingAtLength(tok, {task.prompt: ["<think>\n" + "a " * 3000]})
@@ -458,3 +458,20 @@ def test_a_thinking_budget_closes_the_think_block_and_the_closing_is_not_trained
         assert len(server.capture.calls("s")) == 2
     finally:
         server.stop()
+
+
+def test_head_is_answered_without_a_body_and_the_connection_goes_on(torch_server):
+    """Claude Code's runtime sends HEAD / before its first request, on the connection it then
+    uses: the answer must be a head alone, or the next answer on that connection would be read
+    after a stray body (http.client reads no body after HEAD, as every client does)."""
+    import http.client
+
+    host, port = torch_server.address
+    c = http.client.HTTPConnection(host, port, timeout=30)
+    c.request("HEAD", "/")
+    head = c.getresponse()
+    assert head.status == 200 and head.read() == b""
+    c.request("GET", "/health")
+    after = c.getresponse()
+    assert after.status == 200 and json.loads(after.read())["status"] == "ok"
+    c.close()

@@ -23,9 +23,9 @@ https://docs.anthropic.com/en/api/messages):
 OpenAI's request fields are checked, and its stream chunks written, by serve_openai.py.
 The four sampling endpoints stream with stream=true: server-sent events in the dialect's own format
 (OpenAI's chunks, tool calls as tool_call deltas, stream_options.include_usage; Anthropic's message
-events; the Responses events). A streamed call is recorded exactly as the same call unstreamed: the answer is built by the
-same code from the same samples, and only the text that can no longer change is sent before the end
-(releasable).
+events; the Responses events). A streamed call is recorded exactly as the same call unstreamed: the
+answer is built by the same code from the same samples, and only the text that can no longer change
+is sent before the end (releasable).
 
 How it runs. serve_http.py reads every connection on one asyncio event loop (a connection is a
 coroutine, not a thread); this file's handlers parse and render there, hand the prompt to
@@ -1167,13 +1167,15 @@ class Server:
     async def handle(self, request: Request) -> dict | Stream:
         """Route one request (serve_http.HTTPServer calls this for each); a known path with another
         method is a 405, an unknown one a 404, both as JSON."""
-        path, method = request.path.rstrip("/"), request.method
+        path = request.path.rstrip("/")
+        # HEAD is answered as GET, without the body (serve_http)
+        method = "GET" if request.method == "HEAD" else request.method
         try:
             if path in SAMPLING and method == "POST":
                 return await self.sample(request, SAMPLING[path])
             if path == "/v1/models" and method == "GET":
                 return self.models()
-            if path == "/health" and method == "GET":
+            if path in ("", "/health") and method == "GET":
                 ignored = dict(self.ignored)
                 return {"status": "ok", "weight_version": self.version, "ignored": ignored}
             if path == "/v1/weights" and method == "POST":
@@ -1191,9 +1193,13 @@ class Server:
                     else self.capture.calls(session)
                 )
                 return {"session": session, "calls": [dataclasses.asdict(c) for c in calls]}
-            known = path in (*SAMPLING, "/v1/models", "/health", "/v1/weights") or path.startswith(
-                "/v1/sessions/"
-            )
+            known = path in (
+                *SAMPLING,
+                "",
+                "/v1/models",
+                "/health",
+                "/v1/weights",
+            ) or path.startswith("/v1/sessions/")
             raise RequestError(405 if known else 404, f"{method} {request.path} is not served here")
         except RequestError as e:
             e.dialect = "anthropic" if path == "/v1/messages" else "openai"

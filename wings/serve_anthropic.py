@@ -9,6 +9,8 @@ of serve.py's).
 
 What maps to what:
   system (a string or text blocks)          -> the system message
+  a message with role system                -> a system message in its place (Claude Code's
+                                               mid-conversation system messages)
   user text blocks                          -> a user message (consecutive text blocks joined)
   user tool_result blocks                   -> tool messages, in order (their text; is_error is
                                                not rendered)
@@ -89,9 +91,16 @@ def _message(m, i: int, ignored: list[str]) -> list[dict]:
     """One Messages message -> the chat messages it stands for (what is dropped noted in
     `ignored`)."""
     where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise RequestError(400, f"{where}.role must be user or assistant", where)
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        raise RequestError(400, f"{where}.role must be user, assistant or system", where)
     blocks = _blocks(m.get("content"), f"{where}.content")
+    if m["role"] == "system":  # a system message mid-conversation (Claude Code's beta)
+        text = [
+            _text(b, f"{where}.content[{j}]")
+            for j, b in enumerate(blocks)
+            if b["type"] == "text" or _refuse(b, f"{where}.content[{j}]")
+        ]
+        return [{"role": "system", "content": "".join(text)}]
     if m["role"] == "assistant":
         text, calls, reasoning = [], [], []
         for j, b in enumerate(blocks):

@@ -373,7 +373,9 @@ class HTTPServer:
             return await self._stream(request.writer, payload, close) and not close
         if not await request.discard():  # a refused request's body: read and dropped, or close
             close = True
-        await self._answer(request.writer, status, payload, close)
+        # a HEAD request gets the head alone (Claude Code sends HEAD / to open a connection)
+        head_only = request.method == "HEAD"
+        await self._answer(request.writer, status, payload, close, head_only)
         return not close
 
     @staticmethod
@@ -383,12 +385,12 @@ class HTTPServer:
         ]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
-    async def _answer(self, writer, status: int, payload: dict, close: bool):
+    async def _answer(self, writer, status: int, payload: dict, close: bool, head_only=False):
         data = json.dumps(payload).encode()
         headers = {"Content-Type": "application/json", "Content-Length": len(data)}
         if close:
             headers["Connection"] = "close"
-        writer.write(self._head_bytes(status, headers) + data)
+        writer.write(self._head_bytes(status, headers) + (b"" if head_only else data))
         await writer.drain()
 
     async def _stream(self, writer, stream: Stream, close: bool) -> bool:
