@@ -429,6 +429,8 @@ def play_episodes(
             )
             # an episode with no room left, even compacted, has ended
             active = [i for i in active if not trajs[i].finish_reason]
+            if not active:
+                break
         rooms = [turn_room(trajs[i], cfg, params.max_tokens) for i in active]
         budgets = [min(room.values()) for room in rooms]
         call = replace(
@@ -527,9 +529,10 @@ def _add_step(
 ) -> list[int] | None:
     """The env's step appended to its episode: reward, counters, and the observation's tokens when
     the episode goes on -> those tokens, or None when it ends here (done, an env error, max_turns,
-    no room left: the episode's sampled tokens at max_episode_tokens, or the observation and one
-    more token past the context window; an observation that does not fit is left out whole, never
-    cut)."""
+    no room left: the episode's sampled tokens at max_episode_tokens, or, under memory=full, the
+    observation and one more token past the context window; an observation that does not fit is
+    left out whole, never cut; a memory policy compacts the context before the next turn
+    instead)."""
     state, obs, reward, done, info, error = result
     if error is not None:  # a broken env ends this episode, not the whole batch
         traj.env_errors += 1
@@ -557,7 +560,7 @@ def _add_step(
         return None
     # only the new observation and the next generation prompt are rendered and appended
     cont = encode(tokenizer, render_continuation(obs, cfg.chat_format, cfg.enable_thinking))
-    if len(traj.token_ids) + len(cont) + MIN_ROOM > cfg.max_total_tokens:
+    if cfg.memory == "full" and len(traj.token_ids) + len(cont) + MIN_ROOM > cfg.max_total_tokens:
         # no room to answer it: leave it out
         traj.finish_reason, traj.context_full = "context_full", True
         return None

@@ -272,6 +272,62 @@ def test_a_window_too_small_ends_the_episode_context_full(tok):
     assert all(t.finish_reason == "context_full" and t.context_full for t in trajs)
 
 
+class LineWalk(WalkEnv):
+    """A WalkEnv whose state line says where the walker is ("At k.", what WalkEngine reads),
+    padded with `extra` words: a compacted prompt carries the position, or is made too long to
+    fit."""
+
+    def __init__(self, extra: int = 0):
+        super().__init__(state_line=True)
+        self.extra = extra
+
+    def step(self, state, action):
+        state, obs, reward, done, info = super().step(state, action)
+        if "state_line" in info:
+            info["state_line"] = " ".join([f"At {state.at}."] + ["mile"] * self.extra)
+        return state, obs, reward, done, info
+
+
+def play_lines(tok, max_total: int, extra: int = 0, memory: str = "window", turns: int = 0):
+    """Walks to 6 on LineWalk, keeping `turns` turns (0: every compacted prompt is the system
+    prompt, the task and the state line)."""
+    cfg = AgentConfig(
+        n_samples=2, max_turns=8, max_total_tokens=max_total, memory=memory, memory_turns=turns
+    )
+    env = {"walk": LineWalk(extra)}
+    params = SamplingParams(max_tokens=40)
+    return run_episodes(WalkEngine(tok), env, [walk_task(6)], tok, cfg, params, seed=0)
+
+
+def test_every_episode_ending_context_full_in_one_turn_is_not_a_crash(tok):
+    """A state line too long for the window: every episode's first compaction fails in the same
+    turn, so none is left to play (it was max() of an empty list, and the batch was lost)."""
+    trajs = play_lines(tok, max_total=300, extra=60)
+    assert [(t.finish_reason, t.num_turns) for t in trajs] == [("context_full", 1)] * 2
+
+
+@pytest.mark.parametrize("memory", ["window", "summary"])
+def test_a_row_ends_at_its_last_sampled_token_when_the_first_compaction_fails(tok, memory):
+    """The failed compaction's episode has no rows yet: its one row is trimmed as every closed row
+    is, so it does not end with the observation and generation prompt the engine never saw."""
+    for t in play_lines(tok, max_total=300, extra=60, memory=memory):
+        assert t.context_full and not t.rows and t.loss_mask[-1] == 1
+        assert len(t.loss_mask) == len(t.token_ids) == len(t.logprobs) == len(t.versions)
+
+
+@pytest.mark.parametrize("memory,turns", [("window", 0), ("window", 4), ("summary", 0)])
+def test_context_full_only_when_even_the_compacted_prompt_cannot_fit(tok, memory, turns):
+    """An observation that overfills the window is not the end under a memory policy: the policy
+    compacts first (system + task + state line fit in 220 tokens; a window of 4 turns keeps fewer
+    when they do not fit), and the walk is finished. Under full the same window ends every episode
+    context_full after one turn."""
+    for t in play_lines(tok, max_total=220, memory=memory, turns=turns):
+        assert (t.finish_reason, t.reward, t.num_turns, t.context_full) == ("done", 1.0, 6, False)
+        assert t.compactions == 5 and all(len(r.token_ids) <= 220 for r in t.rows)
+    full = play_lines(tok, max_total=220, memory="full")
+    assert [(t.finish_reason, t.num_turns) for t in full] == [("context_full", 1)] * 2
+
+
 # -----------------------------------------------------------------------------
 # summary
 
@@ -377,6 +433,12 @@ def test_memory_settings_are_checked_at_load():
         (
             ["rollout.agent.memory=window", "rollout.external_agent=a.py:run"],
             "keeps its own context",
+        ),
+        # sequence-level losses would treat each segment as an episode: refused
+        (["rollout.agent.memory=summary", "algo.name=gspo"], "treat each row as a sequence"),
+        (
+            ["rollout.agent.memory=window", "learner.loss.agg_mode=seq-mean-token-mean"],
+            "treat each row as a sequence",
         ),
     ):
         with pytest.raises(ValueError, match=says):

@@ -28,12 +28,13 @@ nothing fits, the episode ends "context_full", as under full. Counted per episod
 fields, memory_metrics): segments, compactions, dropped_tokens, summary_failures (a summary that
 came back empty, which the prompt then leaves out, or was cut at summary_tokens, which it keeps).
 
-Imports: env.py, chat.py, agent.py, rollout.py (Generation, SamplingParams: replayed demonstrations)
-(and the standard library).
+Imports: algos.py (SEQUENCE_RATIO_KINDS), env.py, chat.py, agent.py, rollout.py (Generation,
+SamplingParams: replayed demonstrations) (and the standard library).
 """
 
 from dataclasses import replace
 
+from algos import SEQUENCE_RATIO_KINDS
 from agent import (
     MIN_ROOM,
     AgentConfig,
@@ -73,6 +74,18 @@ def check_config(cfg) -> list:
     if agent.memory_turns < 0 or agent.summary_every < 0 or agent.summary_tokens < 1:
         raise ValueError(
             "rollout.agent.memory_turns and summary_every must be >= 0, summary_tokens >= 1"
+        )
+    # a segmented episode is several rows: a sequence-level loss would average (seq-mean-*) and
+    # take its importance ratio (gspo, gspo_token, gmpo) per row, as if each row were an episode
+    sequence_level = cfg.learner.loss.agg_mode.startswith("seq-mean")
+    if agent.memory != "full" and (
+        sequence_level or cfg.learner.policy_loss in SEQUENCE_RATIO_KINDS
+    ):
+        raise ValueError(
+            f"rollout.agent.memory={agent.memory} plays an episode as several rows (segments), and "
+            f"learner.loss.agg_mode={cfg.learner.loss.agg_mode} with "
+            f"learner.policy_loss={cfg.learner.policy_loss} would treat each row as a sequence of "
+            "its own: use token-mean with a token-level loss (docs/memory.md)"
         )
     if agent.memory != "full" and cfg.rollout.external_agent:
         raise ValueError(
@@ -126,7 +139,9 @@ class Memory:
                 t.segments = 1
         if self.cfg.memory == "window":
             for t in trajs:
-                if self.carried[id(t)] + len(t.turn_starts) > self.cfg.memory_turns:
+                # more turns than it keeps, or an observation that overfilled the window
+                overfull = len(t.token_ids) + MIN_ROOM > self.cfg.max_total_tokens
+                if self.carried[id(t)] + len(t.turn_starts) > self.cfg.memory_turns or overfull:
                     self.compact(t)
             return
         due = [
@@ -220,6 +235,10 @@ class Memory:
                 self.carried[id(t)], self.since[id(t)] = k, t.num_turns
                 return
         t.finish_reason, t.context_full = "context_full", True
+        if not t.rows:
+            # still its first row: it too ends at its last sampled token (the observation and the
+            # generation prompt after it were never given to the engine)
+            t.retract(len(t.token_ids) - len(t.closed_row().token_ids))
         t.end_segments()
 
 
