@@ -460,6 +460,30 @@ def test_a_well_formed_call_not_written_as_render_writes_it_is_returned_and_bran
         server.stop()
 
 
+def test_arguments_sent_back_re_serialised_still_continue_the_sampled_text(tok):
+    """Qwen Code sends a call's arguments back as JSON.stringify writes them (no spaces): the
+    server reads a JSON object's string, so the prompt renders them as they were sampled and the
+    session stays one row, token for token the trajectory of our agent loop."""
+    task = calc_task(0, 7, 8)
+    server = scripted_server(tok, [task])
+
+    def compact(messages):
+        for m in messages:
+            for c in m.get("tool_calls") or []:
+                args = json.loads(c["function"]["arguments"])
+                c["function"]["arguments"] = json.dumps(args, separators=(",", ":"))
+        return messages
+
+    try:
+        msgs = play(server.url, task, "q", edit=compact)
+        assert '{"a":7,"b":8}' in [c["function"]["arguments"] for c in msgs[2]["tool_calls"]]
+        (row,), metrics = session_trajectories(server.capture.calls("q"), "q")
+        assert metrics["serve/branched"] == 0.0
+        assert_same_tokens(row, agent_trajectory(tok, task))
+    finally:
+        server.stop()
+
+
 def test_stop_strings(tok):
     task = calc_task(0, 1, 2)
     server = scripted_server(tok, [task], lambda a, b: ["Sure. ANSWER: 3 and more"])

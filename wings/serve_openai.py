@@ -88,6 +88,20 @@ def _text(content, where: str, optional: bool = False) -> str:
     )
 
 
+def _arguments(arguments):
+    """A tool call's arguments as chat.render reads them: a JSON string that holds an object is
+    read, so it is rendered as the server wrote it when it returned the call (tool_calls.tojson),
+    however the client re-serialised it (Qwen Code sends JSON.stringify's compact form back); any
+    other string is rendered as it came."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
 def _assistant(m: dict, where: str) -> dict:
     msg = {
         "role": "assistant",
@@ -115,7 +129,7 @@ def _assistant(m: dict, where: str) -> dict:
                 "type": "function",
                 "function": {
                     "name": c["function"]["name"],
-                    "arguments": c["function"]["arguments"],
+                    "arguments": _arguments(c["function"]["arguments"]),
                 },
             }
             for c in calls
