@@ -290,7 +290,6 @@ def init_episodes(
     batch goes on."""
     trajs = []
     states = []
-    prompt_cache = {}  # rendered prompt -> its ids
     for g, task in enumerate(tasks):
         env = envs[task.env]
         for s in range(cfg.n_samples):
@@ -321,9 +320,7 @@ def init_episodes(
                 chat_format=cfg.chat_format,
                 enable_thinking=cfg.enable_thinking,
             )
-            if text not in prompt_cache:  # the n samples of a task usually share their prompt
-                prompt_cache[text] = encode(tokenizer, text)
-            ids = list(prompt_cache[text])
+            ids = encode(tokenizer, text)
             traj = Trajectory(
                 task=task,
                 group=g,
@@ -508,7 +505,7 @@ def _add_turn(
         ids,
         sampled=True,
         logprobs=lps,
-        versions=(getattr(gen, "versions", None) or [])[: len(ids)],
+        versions=(gen.versions or [])[: len(ids)],
         kept_sizes=gen.kept_sizes[: len(ids)],  # empty: not truncated
     )
     if not ids or ids[-1] not in ends:
