@@ -517,6 +517,7 @@ ENTRY_POINTS: dict[str, str] = {
     "tau_lite": "envs.env_tau",
     "humaneval": "envs.env_humaneval",
     "textworld": "envs.env_textworld",
+    "bfcl": "envs.env_bfcl",
 }
 
 

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 from agent import AgentConfig, LocalRollouts, Trajectory, memory_metrics
 from chat import pad_token_id
-from env import Action, Env, Task, ToolCall, make_env, mix_seed
+from env import ENVS, Action, Env, Task, ToolCall, make_env, mix_seed
 from rollout import SamplingParams
 
 
@@ -85,9 +85,10 @@ def eval_metrics(
             outcomes.setdefault(t.group, []).append(
                 episode_success(t.reward, t.info.get("metrics", {}))
             )
+        accuracy = sum(t.reward for t in tr) / n
         m = {
-            "accuracy": sum(t.reward for t in tr) / n,
-            f"mean@{n_samples}": sum(t.reward for t in tr) / n,
+            "accuracy": accuracy,
+            f"mean@{n_samples}": accuracy,
             "mean_turns": turns / n,
             "tool_calls": sum(t.num_tool_calls for t in tr) / n,
             "tokens": sum(len(r.token_ids) for t in tr for r in t.rows or [t]) / n,
@@ -98,8 +99,8 @@ def eval_metrics(
         }
         m.update(pass_metrics(list(outcomes.values()), pass_k))
         m.update(memory_metrics(tr))  # a memory policy's segments and compactions, when one played
-        # env extras (e.g. code's pass fraction)
-        m.update(_env_metrics([t.info.get("metrics", {}) for t in tr]))
+        # env extras (e.g. code's pass fraction, BFCL's categories)
+        m.update(_env_metrics([t.info.get("metrics", {}) for t in tr], name))
         metrics.update({f"eval/{name}/{k}": v for k, v in m.items()})
     for k in (
         "accuracy",
@@ -234,19 +235,26 @@ def scripted_metrics(
         "mean_turns": sum(e["turns"] for e in episodes) / n,
         "tool_calls": sum(e["tool_calls"] for e in episodes) / n,
     }
-    m.update(_env_metrics([e["metrics"] for e in episodes]))
+    # the prefix ends in the env's name (eval.py's own: "<policy>/<env>")
+    m.update(_env_metrics([e["metrics"] for e in episodes], prefix.split("/")[-1]))
     return {f"{prefix}/{k}": v for k, v in m.items()}
 
 
-def _env_metrics(per_episode: list[dict]) -> dict[str, float]:
+def _env_metrics(per_episode: list[dict], env: str) -> dict[str, float]:
     """Mean of each env metric over all episodes: the last value an episode's env reported, 0 if
     none (an env that reports on every step, not only the last, is also right for episodes cut by
-    max_turns)."""
-    totals: dict[str, float] = {}
-    for metrics in per_episode:
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-    return {k: v / max(len(per_episode), 1) for k, v in totals.items()}
+    max_turns). An env class with a `summary_metrics(per_episode)` adds what it computes from them
+    (BFCL's per-category accuracy and leaderboard columns: envs/env_bfcl.py)."""
+    # no episode, no key: never a division by zero
+    keys = dict.fromkeys(k for metrics in per_episode for k in metrics)
+    means = {
+        k: sum(float(metrics.get(k, 0.0)) for metrics in per_episode) / len(per_episode)
+        for k in keys
+    }
+    summary = getattr(ENVS.get(env), "summary_metrics", None)
+    if summary:
+        means.update(summary(per_episode))
+    return means
 
 
 def dump_episodes(trajs: list[Trajectory], path: str) -> None:
@@ -317,19 +325,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--checkpoint", default=None, help="a Hugging Face folder with tokenizer.json")
+    p.add_argument("--checkpoint", help="a Hugging Face folder with tokenizer.json")
     p.add_argument(
         "--policy",
         choices=["expert", "random"],
-        default=None,
         help="evaluate a scripted policy (the env's expert, or random actions) instead of a model",
     )
-    p.add_argument(
-        "--config", default=None, help="the run's YAML config (envs, agent, eval settings)"
-    )
-    p.add_argument(
-        "--out", default=None, help="episodes JSONL (default: <checkpoint>/eval_episodes.jsonl)"
-    )
+    p.add_argument("--config", help="the run's YAML config (envs, agent, eval settings)")
+    p.add_argument("--out", help="episodes JSONL (default: <checkpoint>/eval_episodes.jsonl)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.policy is None):

