@@ -26,10 +26,11 @@ What maps to what:
   text, then a function_call item per tool call; status "incomplete" (max_output_tokens) when the
   tokens ran out.
 Built-in tools (web_search, file_search, ...: a model served here cannot call them) and namespaces
-(groups of functions, which a chat template cannot write) are dropped and counted. Refused (400, OpenAI's error object): previous_response_id, conversation and
-item_reference items (this server stores nothing: every request carries its whole input), images
-and files, tool_choice other than auto, text.format other than text, background. IGNORED lists the
-fields accepted without effect; docs/serve.md's table says why for each.
+(groups of functions, which a chat template cannot write) are dropped and counted. Refused (400,
+OpenAI's error object): previous_response_id, conversation and item_reference items (this server
+stores nothing: every request carries its whole input), images and files, tool_choice other than
+auto, text.format other than text, background. IGNORED lists the fields accepted without effect;
+docs/serve.md's table says why for each.
 
 Imports: wings/serve_http.py (RequestError) (and the standard library).
 """
