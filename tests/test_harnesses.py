@@ -61,9 +61,12 @@ SESSION = "harness/0/0"
 TIMEOUT_S = 240.0
 
 
-def need_harness(harness: str):
-    """Skip (outside CI) or fail (in CI) a test whose harness is not installed."""
-    argv, _ = harness_agent.COMMANDS[harness]("", "http://x/v1", "s", "/nonexistent", None)
+def need_harness(harness: str, tmp_path):
+    """Skip (outside CI) or fail (in CI) a test whose harness is not installed. (Building a command
+    writes the harness's settings into the HOME it is given: a folder of its own, not the working
+    folder, where Qwen Code and Codex would read them as the project's settings.)"""
+    probe = tmp_path / "probe-home"
+    argv, _ = harness_agent.COMMANDS[harness]("", "http://x/v1", "s", str(probe), None)
     missing = [p for p in (argv[0], shutil.which("node")) if not p or not os.path.exists(p)]
     if missing:
         why = f"{harness} is not installed ({argv[0]}, and Node.js); bash setup.sh test installs it"
@@ -155,7 +158,7 @@ def assert_answered(server, out):
 
 @pytest.mark.parametrize("harness", HARNESSES)
 def test_a_harness_plays_a_tool_session_that_trains_token_for_token(harness, tok, tmp_path):
-    need_harness(harness)
+    need_harness(harness, tmp_path)
     engine = HarnessEngine(tok, harness)
     server = AnsweredServer(engine, tok, "tiny", max_model_len=1 << 17)
     out = play(harness, server, tmp_path)
@@ -215,7 +218,7 @@ def test_every_request_of_a_harness_is_answered_by_a_long_context_model(harness,
     own: max_position_embeddings only sizes the cache), replies capped at 8 tokens (the harness's
     own switch where it has one, else the server's default): its text is nonsense, so what is
     checked is the server's side: every request answered 200 and recorded."""
-    need_harness(harness)
+    need_harness(harness, tmp_path)
     model = tiny_model(tok.get_vocab_size(), 0, max_position_embeddings=1 << 17).eval()
     server = AnsweredServer(TorchEngine(model, 0), tok, "tiny", default_max_tokens=8)
     out = play(harness, server, tmp_path, max_tokens=8)
