@@ -509,8 +509,14 @@ def tok():
             {"role": "assistant", "content": f"ANSWER: {a + b}"},
         ]
         lines.append(render(convo, CalcEnv.TOOLS, chat_format=rng.choice(["qwen2.5", "qwen3"])))
+    return train_bpe(lines, 800)
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE like Qwen's (any text encodes, and decodes back), trained on `texts`, with
+    Qwen's chat tokens as special tokens."""
     trainer = trainers.BpeTrainer(
-        vocab_size=800,
+        vocab_size=vocab_size,
         special_tokens=SPECIALS,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -518,7 +524,7 @@ def tok():
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(lines, trainer)
+    t.train_from_iterator(texts, trainer)
     return t
 
 

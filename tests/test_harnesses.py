@@ -23,7 +23,7 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from batch import to_batch
 from chat import encode
@@ -34,7 +34,7 @@ from tool_calls import tool_call_text
 from wings.capture import session_trajectories
 from wings.serve import Server
 from wings.serve_http import RequestError
-from test_agent import SPECIALS
+from test_agent import train_bpe
 from test_openai_engine import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,17 +81,7 @@ def tok() -> Tokenizer:
     repository's docs: English and code like the harnesses' prompts, at ~2.7 characters a token
     (the 800-token `tok` of test_agent.py takes ~1.4: twice the tokens)."""
     texts = [open(p).read() for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
-    trainer = trainers.BpeTrainer(
-        vocab_size=4000,
-        special_tokens=SPECIALS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(texts, trainer)
-    return t
+    return train_bpe(texts, 4000)
 
 
 class HarnessEngine:

@@ -9,20 +9,17 @@ Responses client's episode is the trajectory agent.run_episodes builds, token fo
 chat.render (a conversation sent back with its thinking re-renders the very text sampled).
 """
 
-import copy
 import json
 
 import pytest
 
 from chat import encode, render
 from conftest import need
-from rollout import TorchEngine
 from wings.capture import session_trajectories
 from wings.serve import Server, split_thinking
 from test_agent import CalcEnv, ScriptedEngine, calc_task, call_text, tok  # noqa: F401 (a fixture)
-from test_openai_engine import tiny_model
 from test_serve import agent_trajectory, assert_same_tokens, post, scripted_server
-from test_serve_dialects import anthropic_tools, same_record
+from test_serve_dialects import anthropic_tools, model, same_record, torch_server  # noqa: F401 (fixtures)
 
 MODEL = "tiny"
 
@@ -35,19 +32,6 @@ def openai_client(server: Server):
 def response_tools() -> list[dict]:
     """CalcEnv's tools as the Responses API writes function tools (flat)."""
     return [{"type": "function", **t["function"]} for t in CalcEnv.TOOLS]
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_model(tok.get_vocab_size(), 0).eval()
-
-
-@pytest.fixture
-def torch_server(tok, model):
-    server = Server(TorchEngine(copy.deepcopy(model), 0), tok, MODEL, max_model_len=600)
-    server.start()
-    yield server
-    server.stop()
 
 
 # -----------------------------------------------------------------------------
