@@ -77,6 +77,9 @@ class AgentConfig:
     # would not fit)
     summary_every: int = 0
     summary_tokens: int = 128  # summary: the summary's length at most, in tokens
+    # summary: False records the summary's tokens as not sampled (mask 0): no gradient flows
+    # through them. An ablation switch (docs/memory.md, the vault), not a setting to train with
+    summary_gradient: bool = True
 
 
 @dataclass

@@ -601,6 +601,7 @@ WING_CHECKS = {
         "rollout.agent.memory_turns",
         "rollout.agent.summary_every",
         "rollout.agent.summary_tokens",
+        "rollout.agent.summary_gradient",
     ),
 }
 

@@ -518,6 +518,7 @@ ENTRY_POINTS: dict[str, str] = {
     "humaneval": "envs.env_humaneval",
     "textworld": "envs.env_textworld",
     "bfcl": "envs.env_bfcl",
+    "vault": "envs.env_vault",
 }
 
 

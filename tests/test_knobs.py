@@ -317,6 +317,11 @@ KNOBS: dict[str, Knob] = {
     "rollout.agent.summary_tokens": Knob(
         "8", ("rollout.agent.memory=summary", "rollout.agent.summary_every=1")
     ),
+    "rollout.agent.summary_gradient": Knob(
+        "false",
+        ("rollout.agent.memory=summary", "rollout.agent.summary_every=1"),
+        why="the summaries are recorded as not sampled: they leave the rows and the update",
+    ),
     # --- algo
     "algo.name": Knob("rloo"),
     "algo.advantage": Knob("rloo"),

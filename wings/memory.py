@@ -11,7 +11,8 @@ docs/memory.md).
            and a summary after them would not fit (or every summary_every turns); then the policy is
            asked, in its own chat format, to summarise its progress (SUMMARY_REQUEST), and the
            episode goes on from the system prompt, the task, that summary, the last memory_turns
-           turns and the state line. The summary is sampled by the policy: it trains like any turn.
+           turns and the state line. The summary is sampled by the policy: it trains like any turn
+           (rollout.agent.summary_gradient=false, an ablation's switch, records it as not sampled).
 
 Segments. A rewritten context starts a new row (agent.Trajectory.new_segment): each row holds
 exactly the prompt the engine was given and what it sampled (log-probs, versions, kept sizes),
@@ -66,10 +67,11 @@ def check_config(cfg) -> list:
         agent.memory_turns,
         agent.summary_every,
         agent.summary_tokens,
-    ) != (4, 0, 128):
+        agent.summary_gradient,
+    ) != (4, 0, 128, True):
         raise ValueError(
-            "rollout.agent.memory_turns, summary_every and summary_tokens are settings of "
-            "rollout.agent.memory=window or summary, not of full (docs/memory.md)"
+            "rollout.agent.memory_turns, summary_every, summary_tokens and summary_gradient are "
+            "settings of rollout.agent.memory=window or summary, not of full (docs/memory.md)"
         )
     if agent.memory_turns < 0 or agent.summary_every < 0 or agent.summary_tokens < 1:
         raise ValueError(
@@ -199,13 +201,18 @@ class Memory:
             t.turn_starts.append(len(t.token_ids))
             t.turn_states.append(state_key(prompt))
             t.turn_rewards.append(0.0)
-            t.extend(
-                ids,
-                sampled=True,
-                logprobs=lps,
-                versions=(getattr(gen, "versions", None) or [])[: len(ids)],
-                kept_sizes=gen.kept_sizes[: len(ids)],
-            )
+            # summary_gradient=False (the ablation): recorded as not sampled, mask 0, so no gradient
+            # flows through the summary; its row then ends before the request (closed_row)
+            if self.cfg.summary_gradient:
+                t.extend(
+                    ids,
+                    sampled=True,
+                    logprobs=lps,
+                    versions=(getattr(gen, "versions", None) or [])[: len(ids)],
+                    kept_sizes=gen.kept_sizes[: len(ids)],
+                )
+            else:
+                t.extend(ids)
             if not stopped:  # cut at its budget: closed, as a turn is
                 t.extend([self.ends[0]])
             text = self.tokenizer.decode(
@@ -253,11 +260,18 @@ def recent_turns(messages: list[dict], k: int) -> list[dict]:
 # demonstrations as segments: what sft.py trains the embedded model on under a memory policy
 
 
+def expert_summary(info: dict) -> str:
+    """The expert's summary of an episode so far, from the env's last step info: its "summary" (an
+    env whose expert writes one, envs/env_vault.py; a compacted prompt never shows it), else its
+    state line (which the compacted prompt shows anyway), else empty."""
+    return info.get("summary") or info.get("state_line") or ""
+
+
 class _Replay:
     """An engine that answers each turn with the expert's next turn (log-prob 0), and a summary
-    request with the env's last state line (the expert's summary; empty when the env offers none): a
-    demonstration played through the agent loop, so that SFT sees each turn's prompt exactly as the
-    memory policy builds it in RL."""
+    request with the expert's summary (expert_summary of the env's last info): a demonstration
+    played through the agent loop, so that SFT sees each turn's prompt exactly as the memory policy
+    builds it in RL."""
 
     def __init__(self, turns: list[list[int]], asks_summary, summary):
         self.turns, self.asks_summary, self.summary = iter(turns), asks_summary, summary
@@ -297,7 +311,7 @@ def demonstration_rows(
     engine = _Replay(
         turns,
         lambda p: p[-len(request) :] == request,
-        lambda: encode(tokenizer, (trajs[0].info.get("state_line") or "") + turn_ends(fmt)[0]),
+        lambda: encode(tokenizer, expert_summary(trajs[0].info) + turn_ends(fmt)[0]),
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     play_episodes(
