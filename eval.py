@@ -219,10 +219,15 @@ def play_scripted(
 
 
 def scripted_metrics(
-    episodes: list[dict], prefix: str, n_samples: int = 1, pass_k: tuple[int, ...] = (1,)
+    episodes: list[dict],
+    prefix: str,
+    n_samples: int = 1,
+    pass_k: tuple[int, ...] = (1,),
+    env: str = "",
 ) -> dict[str, float]:
     """Means over episodes: accuracy (mean reward; also mean@n), pass@k over tasks, mean_turns,
-    tool_calls, and the env's extra metrics."""
+    tool_calls, and the env's extra metrics (with its summary_metrics when `env` names one that
+    has them)."""
     n = max(len(episodes), 1)
     outcomes: dict[int, list[bool]] = {}  # task -> the success of each of its samples
     for e in episodes:
@@ -235,8 +240,7 @@ def scripted_metrics(
         "mean_turns": sum(e["turns"] for e in episodes) / n,
         "tool_calls": sum(e["tool_calls"] for e in episodes) / n,
     }
-    # the prefix ends in the env's name (eval.py's own: "<policy>/<env>")
-    m.update(_env_metrics([e["metrics"] for e in episodes], prefix.split("/")[-1]))
+    m.update(_env_metrics([e["metrics"] for e in episodes], env))
     return {f"{prefix}/{k}": v for k, v in m.items()}
 
 
@@ -362,7 +366,11 @@ def main(argv=None):
             )
             metrics.update(
                 scripted_metrics(
-                    episodes, f"{args.policy}/{name}", cfg.eval.n_samples, tuple(cfg.eval.pass_k)
+                    episodes,
+                    f"{args.policy}/{name}",
+                    cfg.eval.n_samples,
+                    tuple(cfg.eval.pass_k),
+                    env=name,
                 )
             )
         print_metrics(metrics)

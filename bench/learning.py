@@ -45,7 +45,7 @@ def run(path: str, args) -> list[dict]:
             episodes = play_scripted(
                 env, tasks[env_name], policy, cfg.eval_seed, cfg.rollout.agent.max_turns
             )
-            scripted.update(scripted_metrics(episodes, f"{policy}/{env_name}"))
+            scripted.update(scripted_metrics(episodes, f"{policy}/{env_name}", env=env_name))
     t0 = time.time()
     summary = main(cfg)
     rows = [json.loads(line) for line in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]

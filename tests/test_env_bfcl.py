@@ -207,14 +207,14 @@ def test_eval_reports_bfcls_columns():
     tasks = [
         t for c in ("simple_python", "irrelevance", "multi_turn_base") for t in a_few(world, c)
     ]
-    m = scripted_metrics(play_scripted(world, tasks, "expert", 0, 20), "expert/bfcl")
+    m = scripted_metrics(play_scripted(world, tasks, "expert", 0, 20), "expert/bfcl", env="bfcl")
     assert m["expert/bfcl/simple_python"] == 1.0 and m["expert/bfcl/accuracy"] == 1.0
     assert m["expert/bfcl/summary_irrelevance"] == 0.5  # live_irrelevance counts 0
     assert m["expert/bfcl/summary_multi_turn"] == 0.25
     assert m["expert/bfcl/summary_overall"] == pytest.approx(
         (10 * m["expert/bfcl/summary_non_live"] + 10 * 0.5 + 30 * 0.25) / 100
     )
-    rand = scripted_metrics(play_scripted(world, tasks, "random", 0, 20), "random/bfcl")
+    rand = scripted_metrics(play_scripted(world, tasks, "random", 0, 20), "random/bfcl", env="bfcl")
     assert rand["random/bfcl/accuracy"] < 1.0
 
 

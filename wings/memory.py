@@ -208,7 +208,7 @@ class Memory:
                     ids,
                     sampled=True,
                     logprobs=lps,
-                    versions=(getattr(gen, "versions", None) or [])[: len(ids)],
+                    versions=(gen.versions or [])[: len(ids)],
                     kept_sizes=gen.kept_sizes[: len(ids)],
                 )
             else:

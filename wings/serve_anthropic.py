@@ -65,14 +65,18 @@ def _text(block: dict, where: str) -> str:
     return block["text"]
 
 
+def _joined_text(content, where: str) -> str:
+    """A string, or text blocks joined into one (any other block refused): a system prompt, a
+    system message, a tool result's content."""
+    return "".join(
+        _text(b, where) for b in _blocks(content, where) if b["type"] == "text" or _refuse(b, where)
+    )
+
+
 def _tool_result(block: dict, where: str) -> dict:
     content = block.get("content", "")
     if isinstance(content, list):
-        content = "".join(
-            _text(b, f"{where}.content")
-            for b in _blocks(content, f"{where}.content")
-            if b["type"] == "text" or _refuse(b, f"{where}.content")
-        )
+        content = _joined_text(content, f"{where}.content")
     if not isinstance(content, str) or not isinstance(block.get("tool_use_id"), str):
         raise RequestError(400, f"{where} must have a tool_use_id and a text content", where)
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
@@ -93,14 +97,9 @@ def _message(m, i: int, ignored: list[str]) -> list[dict]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
         raise RequestError(400, f"{where}.role must be user, assistant or system", where)
-    blocks = _blocks(m.get("content"), f"{where}.content")
     if m["role"] == "system":  # a system message mid-conversation (Claude Code's beta)
-        text = [
-            _text(b, f"{where}.content[{j}]")
-            for j, b in enumerate(blocks)
-            if b["type"] == "text" or _refuse(b, f"{where}.content[{j}]")
-        ]
-        return [{"role": "system", "content": "".join(text)}]
+        return [{"role": "system", "content": _joined_text(m.get("content"), f"{where}.content")}]
+    blocks = _blocks(m.get("content"), f"{where}.content")
     if m["role"] == "assistant":
         text, calls, reasoning = [], [], []
         for j, b in enumerate(blocks):
@@ -207,11 +206,7 @@ def to_chat(body: dict) -> tuple[dict, str | None, list[str], bool | int]:
         raise RequestError(400, "messages must be a non-empty list of messages", "messages")
     system = body.get("system")
     if system is not None:
-        system = "".join(
-            _text(b, "system")
-            for b in _blocks(system, "system")
-            if b["type"] == "text" or _refuse(b, "system")
-        )
+        system = _joined_text(system, "system")
     think = _thinking(body)
     output_config = body.get("output_config") or {}
     if not isinstance(output_config, dict) or output_config.get("format") is not None:
